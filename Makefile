@@ -1,0 +1,15 @@
+# The README's two commands. Each first sets up .venv with the pinned stack for this machine (scripts/setup.sh;
+# instant when it is already there).
+#   make demo   run the main job on the built-in model and data
+#   make test   run the test suite (the GPU tier runs only where CUDA is visible)
+PY := .venv/bin/python
+
+.PHONY: setup demo test
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) sft.py
+
+test: setup
+	@$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc

@@ -1,0 +1,200 @@
+"""Datasets in, packed micro-batches out: loading, validation with clear errors, and token-budget packing.
+
+Rows follow the Hugging Face (TRL) column conventions, so existing datasets load unchanged. A text field is
+either a string ("standard" format) or a list of {"role", "content"} messages ("conversational" format).
+"""
+
+import glob
+import json
+import os
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class InputError(SystemExit):
+    """Bad user input: printed as one line `error: ...` and the process exits with status 1, no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+
+
+def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
+    """Rows of a local .jsonl/.json/.parquet file or folder, or of a hub dataset `name[:config]`.
+
+    Relative paths are tried against the working directory, then the repo root (where data/ lives).
+    Returns the rows and a short description of where they came from, for error messages.
+    """
+    for path in (spec, os.path.join(REPO_ROOT, spec)):
+        if os.path.exists(path):
+            return _load_local(path, split), path
+    if spec.endswith(_LOCAL_SUFFIXES) or spec.startswith((".", "/", "~")):
+        raise InputError(f"dataset file {spec!r} does not exist")
+    name, _, config = spec.partition(":")
+    try:
+        import datasets
+
+        rows = list(datasets.load_dataset(name, config or None, split=split))
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(
+            f"dataset {spec!r} (split {split!r}) is not a local file and could not be loaded: {first_line}"
+        ) from None
+    return rows, f"{spec} [{split}]"
+
+
+def _load_local(path: str, split: str) -> list[dict]:
+    if os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(_LOCAL_SUFFIXES))
+        named = [f for f in files if os.path.basename(f).split(".")[0] == split]
+        files = named or files
+        if not files:
+            raise InputError(f"dataset folder {path!r} has no .jsonl, .json or .parquet files")
+        return [row for f in files for row in _load_local(f, split)]
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        rows = json.loads(text)
+    else:  # jsonl (one object per line); blank lines are skipped
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path}: line {i} is not valid JSON ({e.msg})") from None
+    if not rows:
+        raise InputError(f"dataset file {path!r} is empty")
+    return rows
+
+
+def validate_rows(rows: list[dict], columns: list[str], source: str) -> None:
+    """Every row must be an object with each column present and non-empty (string or list of messages)."""
+    if not rows:
+        raise InputError(f"dataset {source} has no rows")
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise InputError(f"{source}: row {i} is not a JSON object")
+        for col in columns:
+            value = row.get(col)
+            if value is None:
+                have = ", ".join(sorted(row)) or "none"
+                raise InputError(f"{source}: row {i} has no column {col!r} (columns: {have})")
+            if isinstance(value, str):
+                if not value.strip():
+                    raise InputError(f"{source}: row {i} column {col!r} is empty")
+            elif isinstance(value, list):
+                if not value or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+                    raise InputError(
+                        f"{source}: row {i} column {col!r} must be a non-empty list of role/content messages"
+                    )
+            else:
+                raise InputError(f"{source}: row {i} column {col!r} must be a string or a list of messages")
+
+
+def as_messages(value, role: str) -> list[dict]:
+    return value if isinstance(value, list) else [{"role": role, "content": value}]
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt ready for generation: chat template + generation prompt for messages, plain text else."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt).input_ids
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + completion, and a 0/1 mask that is 1 exactly on the completion's tokens.
+
+    Strings are plain text, the completion followed by EOS. Message lists go through the chat template, and the
+    mask covers every assistant turn as the template writes it after the generation prompt, end-of-turn token
+    included (so the model learns to stop). `completion=None` means `prompt` is a whole conversation.
+    """
+    if isinstance(prompt, str) and isinstance(completion, str):
+        ids = tokenizer(prompt).input_ids
+        done = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        return ids + done, [0] * len(ids) + [1] * len(done)
+    if tokenizer.chat_template is None:
+        raise InputError("the model's tokenizer has no chat template; use plain-text prompt/completion columns")
+    messages = as_messages(prompt, "user") + (as_messages(completion, "assistant") if completion is not None else [])
+
+    def render(msgs, gen_prompt=False):
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    ids, mask = [], []
+    for i, message in enumerate(messages):
+        # Render the conversation one turn longer each time; the new tokens belong to message i.
+        pieces = [(render(messages[:i], gen_prompt=True), 0)] if message["role"] == "assistant" and i > 0 else []
+        pieces.append((render(messages[: i + 1]), int(message["role"] == "assistant")))
+        for upto, value in pieces:
+            if upto[: len(ids)] != ids:
+                raise InputError("the chat template does not render conversations turn by turn (prefix changed)")
+            mask += [value] * (len(upto) - len(ids))
+            ids = upto
+    return ids, mask
+
+
+def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """Pack sequences into padding-free rows of at most `max_tokens` tokens (first-fit, longest first).
+
+    Each sequence is a dict of equal-length per-token lists, one of them "input_ids". A row concatenates whole
+    sequences; its "position_ids" restart at 0 at every sequence start, which is how the attention kernels
+    (SDPA via a block mask, flash-attn varlen) keep sequences from attending to each other. Returns dicts of
+    (1, T) tensors, the same keys plus "position_ids".
+    """
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"]))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = len(sequences[i]["input_ids"])
+        if n > max_tokens:
+            raise ValueError(f"a sequence of {n} tokens does not fit the token budget of {max_tokens}")
+        j = next((j for j, r in enumerate(room) if r >= n), None)
+        if j is None:
+            rows.append([])
+            room.append(max_tokens)
+            j = len(rows) - 1
+        rows[j].append(i)
+        room[j] -= n
+    out = []
+    for row in rows:
+        batch = {key: [] for key in sequences[0]}
+        batch["position_ids"] = []
+        for i in row:
+            for key, values in sequences[i].items():
+                batch[key].extend(values)
+            batch["position_ids"].extend(range(len(sequences[i]["input_ids"])))
+        out.append({key: torch.tensor(values)[None] for key, values in batch.items()})
+    return out
+
+
+def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> list[list[dict]]:
+    """Deal sequences to data-parallel ranks (balanced by tokens) and pack each rank's share.
+
+    FSDP runs collectives in every forward and backward, so all ranks must run the same number of micro-batches:
+    a rank with fewer repeats its last one with "loss_scale" 0 (it contributes nothing to the gradient).
+    """
+    shares: list[list[dict]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for seq in sorted(sequences, key=lambda s: -len(s["input_ids"])):
+        r = loads.index(min(loads))
+        shares[r].append(seq)
+        loads[r] += len(seq["input_ids"])
+    packed = [pack(share, max_tokens) if share else [] for share in shares]
+    num_micro = max(len(p) for p in packed)
+    for p in packed:
+        for mb in p:
+            mb["loss_scale"] = torch.tensor(1.0)
+        while len(p) < num_micro:
+            filler = dict(p[-1]) if p else pack([sequences[0]], max_tokens)[0]
+            filler["loss_scale"] = torch.tensor(0.0)
+            p.append(filler)
+    return packed

@@ -1,0 +1,159 @@
+"""Ray placement: start Ray, reserve bundles, place actors one per bundle, join trainers with torch.distributed.
+
+A placement group reserves all the devices a job needs up front (one bundle per trainer rank or engine), so a
+job either gets everything or waits, instead of deadlocking half-placed. On GPU a bundle is a GPU (+1 CPU);
+on CPU it is one CPU, a scheduling token: Ray lets us declare more logical CPUs than there are cores.
+"""
+
+import os
+import socket
+from datetime import timedelta
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from common.data import REPO_ROOT, InputError
+
+RPC_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RPC_TIMEOUT", 3600))
+
+
+def check_devices(num_gpus: int) -> bool:
+    """Whether to use CUDA; exits with one line if a CUDA job asks for more GPUs than are visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    visible = torch.cuda.device_count()
+    if num_gpus > visible and "RAY_ADDRESS" not in os.environ:  # on a Ray cluster the GPUs are elsewhere
+        raise InputError(f"this job needs {num_gpus} GPUs but {visible} are visible")
+    return True
+
+
+def init_ray(use_gpu: bool, num_bundles: int) -> None:
+    """Start a local Ray instance (or join the cluster in $RAY_ADDRESS), quietly."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Actors import `common` and the scripts' modules; make the repo importable wherever Ray starts them.
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath, **quiet}}
+    if "RAY_ADDRESS" in os.environ:
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, logging_level="ERROR")
+        return
+    num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # logical CPUs: scheduling tokens, not cores
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, logging_level="ERROR")
+
+
+def make_placement_group(num_bundles: int, use_gpu: bool):
+    """Reserve `num_bundles` bundles (a GPU and a CPU each on GPU, a CPU each on CPU) and wait for them."""
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=300)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"Ray could not reserve {num_bundles} bundles of {bundle} within 300 s") from None
+    return pg
+
+
+def on_bundle(pg, index: int, num_gpus: float = 0, num_cpus: float = 1, env: dict | None = None) -> dict:
+    """Actor options that place it on bundle `index` of `pg`."""
+    opts = {
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    }
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return opts
+
+
+@ray.remote(num_cpus=0)
+def _free_address() -> tuple[str, int]:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:
+    """An (ip, free port) on the node of `bundle`, for rank 0 of a torch.distributed group to listen on."""
+    task = _free_address.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+    )
+    return ray.get(task.remote(), timeout=60)
+
+
+def spawn_trainers(actor_cls, num_ranks: int, pg, *args, num_gpus: float = 1, first_bundle: int = 0) -> list:
+    """Place `num_ranks` actors of `actor_cls`, rank r on bundle first_bundle + r.
+
+    Each is constructed as actor_cls(*args, rank, world_size, master_addr, master_port) and is expected to call
+    `init_distributed` with those in its __init__; construction is awaited so a failing rank surfaces here.
+    """
+    addr, port = rendezvous_address(pg, first_bundle)
+    actors = [
+        actor_cls.options(**on_bundle(pg, first_bundle + r, num_gpus=num_gpus)).remote(*args, r, num_ranks, addr, port)
+        for r in range(num_ranks)
+    ]
+    call(actors, "__ray_ready__")
+    return actors
+
+
+def init_distributed(rank: int, world_size: int, addr: str, port: int) -> "torch.device":  # noqa: F821
+    """Join the trainers' default process group (NCCL on GPU, gloo on CPU); returns this rank's device."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)  # Ray exposes exactly this actor's GPU as device 0
+        torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world_size, timeout=timedelta(minutes=30), device_id=device
+        )
+    else:
+        device = torch.device("cpu")
+        # Ray gives a num_cpus=1 actor OMP_NUM_THREADS=1; the cores are shared by the trainer ranks instead.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+    return device
+
+
+def call(actors: list, method: str, *args, per_rank: list | None = None, timeout: float | None = None) -> list:
+    """Call `method` on every actor (with `per_rank[i]` as the first argument if given) and wait for all.
+
+    A dead actor or one that does not answer within `timeout` seconds becomes an error that names it, rather
+    than a hang; the other actors' calls are cancelled by the shutdown that follows.
+    """
+    refs = [
+        getattr(a, method).remote(*(([per_rank[i]] if per_rank is not None else []) + list(args)))
+        for i, a in enumerate(actors)
+    ]
+    return wait_all(refs, [f"{_actor_name(a)}#{i}" for i, a in enumerate(actors)], method, timeout)
+
+
+def wait_all(refs: list, names: list[str], what: str, timeout: float | None = None) -> list:
+    timeout = RPC_TIMEOUT_S if timeout is None else timeout
+    pending = dict(zip(refs, names))
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout, fetch_local=False)
+    for ref in ready:  # surface the first failure by name
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"{pending[ref]} died during {what}: {_first_line(e)}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise RuntimeError(f"{pending[ref]} failed in {what}: {_first_line(e.cause or e)}") from e
+    if len(ready) < len(refs):
+        late = [pending[r] for r in refs if r not in ready]
+        raise TimeoutError(f"{', '.join(late)} did not finish {what} within {timeout:.0f} s")
+    return ray.get(refs)
+
+
+def _actor_name(actor) -> str:
+    return actor._ray_actor_creation_function_descriptor.class_name
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"

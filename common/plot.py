@@ -1,0 +1,74 @@
+"""Turn runs' metrics.jsonl into PNG curves, one figure per metric group (train/, eval/, rollout/, ...).
+
+    python -m common.plot runs/grpo__1__1763800000 [more run dirs...] [--out plots/]
+
+Several runs are drawn on the same axes, so seeds or variants compare at a glance.
+"""
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+
+def load_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    series = defaultdict(list)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    series[key].append((row["step"], value))
+    return series
+
+
+def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {os.path.basename(os.path.normpath(d)): load_metrics(d) for d in run_dirs}
+    groups = defaultdict(set)
+    for series in runs.values():
+        for key in series:
+            groups[key.split("/")[0] if "/" in key else "other"].add(key)
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for group, keys in sorted(groups.items()):
+        keys = sorted(keys)
+        cols = min(3, len(keys))
+        rows = (len(keys) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            for name, series in runs.items():
+                if key in series:
+                    steps, values = zip(*series[key])
+                    ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=name)
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys) :]:
+            ax.axis("off")
+        if len(runs) > 1:
+            axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{group}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Plot metrics.jsonl of one or more run directories.")
+    parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("--out", default=None, help="output folder (default: <first run>/plots)")
+    cli = parser.parse_args()
+    for d in cli.run_dirs:
+        if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            raise SystemExit(f"error: {d} has no metrics.jsonl")
+    for path in plot_runs(cli.run_dirs, cli.out or os.path.join(cli.run_dirs[0], "plots")):
+        print(path)

@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny models built locally (no hub), the built-in tokenizer, subprocess helpers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def builtin_dir():
+    from common.model import BUILTIN_MODEL, resolve_model
+
+    return resolve_model(BUILTIN_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(builtin_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(builtin_dir)
+
+
+def make_tiny_model(path, tokenizer, tie: bool = True, seed: int = 0):
+    """A 2-layer Llama with the built-in tokenizer: head_dim 64 (vLLM CPU rejects 16), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+        tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer, tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_untied(tmp_path_factory, tokenizer):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_untied") / "model", tokenizer, tie=False, seed=1)
+
+
+def run_script(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, script), *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def only_run_dir(output_dir):
+    dirs = [os.path.join(output_dir, d) for d in os.listdir(output_dir)]
+    assert len(dirs) == 1, dirs
+    return dirs[0]

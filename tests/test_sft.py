@@ -1,0 +1,161 @@
+"""sft.py: its math, FSDP2 across ranks, and end-to-end runs (checkpoint, resume, bad inputs)."""
+
+import os
+
+import pytest
+import ray
+import torch
+from conftest import only_run_dir, read_jsonl, run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import sft
+from common.data import encode_example, load_rows, split_for_ranks
+from common.placement import call, init_ray, make_placement_group, spawn_trainers
+
+
+def test_compute_logprobs_matches_full_log_softmax(tiny_model, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    a, ma = encode_example(
+        tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    )
+    b, mb = encode_example(tokenizer, [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    # packed: two sequences in one row, positions restarting; the block mask must keep them apart
+    seqs = [sft.make_sequence(a, ma), sft.make_sequence(b, mb)]
+    ids = torch.tensor([a + b])
+    pos = torch.tensor([list(range(len(a))) + list(range(len(b)))])
+    labels = torch.tensor([seqs[0]["labels"] + seqs[1]["labels"]])
+    mask = torch.tensor([seqs[0]["loss_mask"] + seqs[1]["loss_mask"]])
+    got = sft.compute_logprobs(model, ids, pos, labels, mask, temperature=0.7)
+    want = []
+    for x, m in ((a, ma), (b, mb)):  # each sequence alone, full logits, explicit log-softmax
+        logits = model(torch.tensor([x])).logits[0] / 0.7
+        logp = torch.log_softmax(logits, -1)
+        want += [logp[t - 1, x[t]] for t in range(1, len(x)) if m[t]]
+    assert got.shape == (sum(ma) + sum(mb),)
+    torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=0)
+
+
+def test_reward_fn():
+    assert sft.reward_fn("3 + 4 = 7", "7") == 1.0
+    assert sft.reward_fn("7 is 3 + 4", "7") == 0.0  # the last number counts
+    assert sft.reward_fn("The answer is 1,234.", "#### 1234") == 1.0
+    assert sft.reward_fn("no number", "7") == 0.0
+    assert sft.reward_fn(r"so $\frac{1}{2}$", r"\frac{1}{2}") == 1.0
+
+
+def test_lr_schedule():
+    args = sft.Args(learning_rate=1.0, warmup_steps=2, num_steps=10, min_lr_ratio=0.1)
+    lrs = [sft.lr_at(s, args) for s in range(10)]
+    assert lrs[:2] == [0.5, 1.0]
+    assert all(x > y for x, y in zip(lrs[1:], lrs[2:]))  # cosine decay is strictly decreasing
+    assert lrs[-1] == pytest.approx(0.1)  # the last step runs at the floor
+
+
+def test_batch_rows_is_a_function_of_the_step():
+    epoch = [r for s in range(4) for r in sft.batch_rows(s, 12, 3, seed=5)]
+    assert sorted(epoch) == list(range(12))  # one epoch visits every row once
+    assert sft.batch_rows(2, 12, 3, seed=5) == sft.batch_rows(2, 12, 3, seed=5)
+    assert epoch != [r for s in range(4) for r in sft.batch_rows(s, 12, 3, seed=6)]
+
+
+@pytest.fixture(scope="module")
+def ray_cpu():
+    init_ray(use_gpu=False, num_bundles=4)
+    yield
+    ray.shutdown()
+
+
+def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3):
+    rows, _ = load_rows("data/arithmetic/sft_train.jsonl")
+    sequences = [sft.make_sequence(*encode_example(tokenizer, r["messages"])) for r in rows[:24]]
+    args = sft.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=128)
+    pg = make_placement_group(world_size, use_gpu=False)
+    trainers = spawn_trainers(sft.Trainer, world_size, pg, args, model_path, num_gpus=0)
+    losses = []
+    for step in range(steps):
+        batch = sequences[step * 8 : (step + 1) * 8]
+        num_tokens = sum(sum(s["loss_mask"]) for s in batch)
+        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch)
+        out = call(trainers, "train_step", num_tokens, step, per_rank=shares)
+        losses.append(sum(o["loss_sum"] for o in out) / num_tokens)
+    call(trainers, "save", str(out_dir), steps, False)
+    for t in trainers:
+        ray.kill(t)
+    ray.util.remove_placement_group(pg)
+    return losses, load_file(os.path.join(out_dir, "model.safetensors"))
+
+
+def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path):
+    losses1, weights1 = train_with_ranks(1, tiny_model, tokenizer, tmp_path / "one")
+    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two")
+    assert losses1[-1] < losses1[0]  # it learns (lr 1e-3 on a tiny model)
+    assert losses1 == pytest.approx(losses2, abs=1e-4)
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert weights1.keys() == weights2.keys()
+    for name in weights1:
+        torch.testing.assert_close(weights1[name], weights2[name], atol=1e-4, rtol=0)
+    moved = max((weights1[n] - initial[n]).abs().max().item() for n in weights1)
+    assert moved > 1e-3  # the comparison is not between two untouched models
+
+
+def sft_args(model, out, *extra):
+    return ("--model", model, "--output-dir", str(out), "--max-tokens-per-micro-batch", "512", "--batch-size", "4",
+            "--learning-rate", "1e-3", "--warmup-steps", "1", "--max-new-tokens", "4", *extra)  # fmt: skip
+
+
+def test_sft_end_to_end_checkpoint_and_resume(tiny_model, tmp_path):
+    full = run_script("sft.py", *sft_args(tiny_model, tmp_path / "full", "--num-steps", "3", "--save-every", "2"))
+    assert full.returncode == 0, full.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path / "full")
+    final = os.path.join(run_dir, "checkpoints", "final")
+    model = AutoModelForCausalLM.from_pretrained(final)  # loads as a plain HF model
+    assert model.config.num_hidden_layers == 2
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1] and "eval/loss" in rows[-1]
+    assert os.path.isfile(os.path.join(run_dir, "config.json"))
+
+    # resume from step 2: the third step sees the same data and optimizer state, so it logs the same loss
+    ckpt = os.path.join(run_dir, "checkpoints", "step_2")
+    resumed = run_script("sft.py", *sft_args(tiny_model, tmp_path / "full", "--num-steps", "3", "--resume", ckpt))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows2 = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows2] == [0, 1, 2, 3]
+    assert rows2[-1]["train/loss"] == pytest.approx(rows[-1]["train/loss"], abs=1e-4)
+    assert rows2[-1]["train/loss"] != pytest.approx(rows[1]["train/loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing_column", "empty_file", "unknown_model", "non_divisible_batch", "too_long"],
+)
+def test_bad_inputs_fail_fast_with_one_line(case, tiny_model, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    args = {"--dataset": str(data), "--model": tiny_model, "--eval-dataset": "", "--accuracy-dataset": ""}
+    extra = []
+    if case == "missing_column":
+        data.write_text('{"prompt": "hi"}\n')
+        want = "no column 'completion'"
+    elif case == "empty_file":
+        data.write_text("")
+        want = "is empty"
+    elif case == "unknown_model":
+        args["--model"] = str(tmp_path / "no_such_model")
+        want = "does not exist"
+    elif case == "non_divisible_batch":
+        extra = ["--num-trainers", "2", "--batch-size", "3"]
+        want = "not divisible"
+    else:
+        extra = ["--max-length", "8", "--max-tokens-per-micro-batch", "8"]
+        want = "longer than --max-length"
+    out = tmp_path / "runs"
+    result = run_script(
+        "sft.py", *[x for kv in args.items() for x in kv], "--output-dir", str(out), *extra, timeout=120
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and want in last, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not out.exists()  # nothing written: no run dir, no checkpoint
