@@ -303,7 +303,7 @@ def main(args: Args):
 
     # ---- start Ray, place the trainers, open the run directory ----
     init_ray(use_gpu, args.num_trainers)
-    pg = make_placement_group(args.num_trainers, use_gpu)
+    pg = make_placement_group([1] * args.num_trainers, use_gpu)
     start_from = resume_ckpt if args.resume else model_path
     trainers = spawn_trainers(Trainer, args.num_trainers, pg, args, start_from, num_gpus=1 if use_gpu else 0)
     if args.resume:

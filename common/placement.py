@@ -47,14 +47,14 @@ def init_ray(use_gpu: bool, num_bundles: int) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, logging_level="ERROR")
 
 
-def make_placement_group(num_bundles: int, use_gpu: bool):
-    """Reserve `num_bundles` bundles (a GPU and a CPU each on GPU, a CPU each on CPU) and wait for them."""
-    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
+def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
+    """Reserve one bundle per entry (that many GPUs and a CPU on GPU; a CPU on CPU) and wait for them."""
+    bundles = [{"GPU": g, "CPU": 1} if use_gpu else {"CPU": 1} for g in gpus_per_bundle]
+    pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"Ray could not reserve {num_bundles} bundles of {bundle} within 300 s") from None
+        raise RuntimeError(f"Ray could not reserve the bundles {bundles} within 300 s") from None
     return pg
 
 

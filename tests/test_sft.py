@@ -70,7 +70,7 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3):
     rows, _ = load_rows("data/arithmetic/sft_train.jsonl")
     sequences = [sft.make_sequence(*encode_example(tokenizer, r["messages"])) for r in rows[:24]]
     args = sft.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=128)
-    pg = make_placement_group(world_size, use_gpu=False)
+    pg = make_placement_group([1] * world_size, use_gpu=False)
     trainers = spawn_trainers(sft.Trainer, world_size, pg, args, model_path, num_gpus=0)
     losses = []
     for step in range(steps):

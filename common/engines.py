@@ -1,0 +1,119 @@
+"""vLLM generation engines as Ray actors: create, generate, sleep/wake, and the weight-update entry points.
+
+Each engine is one `vllm.LLM` living inside a Ray actor (vLLM runs in-process; with tensor parallelism > 1 its
+worker processes are children of the actor). The driver sends token ids and gets back token ids and the
+sampling log-probabilities, already temperature-processed (`logprobs_mode="processed_logprobs"`), which is
+what the trainer recomputes for importance sampling.
+
+CPU notes (measured, see docs): the in-process engine avoids shared-memory queues; the default OMP core binding
+would fight the co-located trainers; CUDA graphs and torch.compile cost a minute of start-up for little gain.
+"""
+
+import os
+
+import ray
+
+from common.placement import on_bundle
+
+CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the actor's process: fast start, no /dev/shm
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores that the trainer ranks also use
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+@ray.remote
+class Engine:
+    def __init__(
+        self, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, sleep_mode: bool
+    ):
+        """`memory`: fraction of GPU memory for weights + KV cache on GPU, GiB of KV cache on CPU."""
+        import torch
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        on_gpu = torch.cuda.is_available()
+        self.llm = LLM(
+            model=model_path,
+            seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded instead
+            dtype="bfloat16" if on_gpu else "float32",
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
+            max_model_len=max_model_len,
+            enforce_eager=not on_gpu,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            weight_transfer_config=WeightTransferConfig(backend=backend),
+            # Imported in every worker process; registers the CPU "gloo" weight-transfer backend with vLLM.
+            worker_extension_cls="common.gloo_transfer.WorkerExtension",
+            enable_sleep_mode=sleep_mode,
+            **({"gpu_memory_utilization": memory} if on_gpu else {"kv_cache_memory_bytes": int(memory * 2**30)}),
+        )
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int) -> list:
+        """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [
+            [
+                {
+                    "token_ids": list(c.token_ids),
+                    "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                    "finish_reason": c.finish_reason,
+                }
+                for c in out.outputs
+            ]
+            for out in outputs
+        ]
+
+    # The four calls of vLLM's weight-transfer protocol, driven by the trainer's weight-transfer engine.
+    def init_weight_transfer_engine(self, init_info: dict):
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self):
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict):
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, version: int):
+        self.llm.collective_rpc("finish_weight_update")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+
+    def sleep(self):
+        """Free the GPU for training (level 1: weights to CPU RAM, KV cache dropped). CUDA only."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self, tags: list[str] | None = None):
+        self.llm.wake_up(tags)
+
+    def get_version(self) -> int:
+        return self.version
+
+
+def spawn_engines(
+    num_engines: int, pg, first_bundle: int, tp: int, model_path: str, seed: int, backend: str,
+    max_model_len: int, memory: float, colocate: bool, use_gpu: bool,
+) -> list:  # fmt: skip
+    """Place engine i on bundle first_bundle + i.
+
+    Separate placement: the engine owns its bundle's `tp` GPUs (vLLM's TP workers are child processes and see
+    the actor's GPUs). Colocated (tp 1): it shares the GPU of a trainer rank, asks Ray for half of it and sleeps
+    while the trainers train. On CPU a bundle is one CPU.
+    """
+    engines = []
+    for i in range(num_engines):
+        if use_gpu:
+            opts = on_bundle(pg, first_bundle + i, num_gpus=0.5 if colocate else tp, env=GPU_ENV)
+        else:
+            opts = on_bundle(pg, first_bundle + i, num_cpus=1, env=CPU_ENV)
+        engine = Engine.options(**opts).remote(
+            model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode=use_gpu and colocate
+        )
+        engines.append(engine)
+    return engines

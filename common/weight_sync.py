@@ -1,0 +1,89 @@
+"""Trainer → engines weight sync through vLLM's weight-transfer API (nccl | ipc | gloo), the same code everywhere.
+
+    backend  when                                             how the bytes move
+    nccl     trainers and engines on different GPUs           NCCL broadcast from trainer rank 0
+    ipc      colocated: a trainer rank and an engine per GPU  CUDA IPC handles to the trainer's tensors
+    gloo     CPU                                              gloo broadcast (common/gloo_transfer.py)
+
+Every trainer rank calls `init_weight_sync` once and `.send_weights()` after each optimizer step: all ranks
+materialize the full tensors from their FSDP shards (a collective), rank 0 drives the engines through the
+four-call protocol (start, update, finish; init once). Engines reset their prefix cache and record the version.
+vLLM is imported lazily: this module loads in the driver too.
+"""
+
+import torch
+
+from common.placement import wait_all
+
+
+def choose_backend(use_gpu: bool, colocate: bool) -> str:
+    return "gloo" if not use_gpu else ("ipc" if colocate else "nccl")
+
+
+class EngineClient:
+    """vLLM's `VLLMWeightSyncClient` protocol over our engine actors: fan every call out, wait for all of them.
+
+    With several engines in one NCCL/gloo group each needs its own ranks: engine i's workers sit at
+    1 + i * tp ... (trainer rank 0 is the sender), so `rank_offset` is rewritten per engine.
+    """
+
+    def __init__(self, engines: list, tp: int):
+        self.engines, self.tp, self.version = engines, tp, 0
+
+    def _all(self, method: str, per_engine: list | None = None):
+        refs = [getattr(e, method).remote(*([per_engine[i]] if per_engine else [])) for i, e in enumerate(self.engines)]
+        return wait_all(refs, [f"Engine#{i}" for i in range(len(self.engines))], method, timeout=600)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        infos = [dict(init_info) for _ in self.engines]
+        if "rank_offset" in init_info:
+            for i, info in enumerate(infos):
+                info["rank_offset"] = init_info["rank_offset"] + i * self.tp
+        self._all("init_weight_transfer_engine", infos)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._all("update_weights", [update_info] * len(self.engines))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.version += 1
+        self._all("finish_weight_update", [self.version] * len(self.engines))
+
+
+def init_weight_sync(
+    model, engines: list, backend: str, rank: int, addr: str, port: int, tp: int, dtype: torch.dtype
+) -> "TrainerWeightTransferEngine":  # noqa: F821
+    """The trainer-side weight-transfer engine, built on every trainer rank; `.send_weights()` pushes a version.
+
+    Rank 0 is the sender and rendezvouses with the engines here.
+    Weights travel in the engines' dtype (bf16 on GPU): half the bytes of the fp32 master weights.
+    """
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    class CastSource(ModuleSource):
+        def metadata(self):
+            return [type(m)(m.name, dtype, m.shape) for m in super().metadata()]
+
+        def __iter__(self):
+            for name, tensor in super().__iter__():
+                yield name, tensor.to(dtype)
+
+    world_size = 1 + len(engines) * tp
+    if backend == "gloo":
+        from common.gloo_transfer import GlooTrainerInitInfo
+
+        info = GlooTrainerInitInfo(master_address=addr, master_port=port, world_size=world_size, rank=rank)
+    elif backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        info = NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=world_size, rank=rank)
+    elif backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        info = IPCTrainerInitInfo(rank=rank)
+    else:
+        raise ValueError(f"unknown weight-sync backend {backend!r}")
+    client = EngineClient(engines, tp)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=CastSource(model))
