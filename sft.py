@@ -90,8 +90,8 @@ class Args:
     """optimizer steps"""
     batch_size: int = 16
     """sequences per optimizer step, over all ranks"""
-    max_tokens_per_micro_batch: int = 1024
-    """token budget of one packed micro-batch on one rank; gradients accumulate over micro-batches"""
+    max_tokens_per_micro_batch: int = 512
+    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
     learning_rate: float = 2e-5
     """peak learning rate of AdamW"""
     warmup_steps: int = 4

@@ -98,6 +98,24 @@ def validate_rows(rows: list[dict], columns: list[str], source: str) -> None:
                 raise InputError(f"{source}: row {i} column {col!r} must be a string or a list of messages")
 
 
+def load_function(spec: str):
+    """`path/to/file.py:name` -> the function `name` defined in that file (for user hooks such as --reward-fn)."""
+    import importlib.util
+
+    path, _, name = spec.rpartition(":")
+    if not path or not os.path.isfile(path):
+        raise InputError(f"{spec!r}: expected an existing path/to/file.py:function")
+    module_spec = importlib.util.spec_from_file_location(f"user_{os.path.basename(path)[:-3]}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise InputError(f"{path} failed to import: {type(e).__name__}: {e}") from None
+    if not callable(getattr(module, name, None)):
+        raise InputError(f"{path} has no function {name!r}")
+    return getattr(module, name)
+
+
 def as_messages(value, role: str) -> list[dict]:
     return value if isinstance(value, list) else [{"role": role, "content": value}]
 

@@ -15,12 +15,14 @@ import ray
 
 from common.placement import on_bundle
 
+QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore::FutureWarning", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the actor's process: fast start, no /dev/shm
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores that the trainer ranks also use
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    "OMP_NUM_THREADS": str(os.cpu_count() or 1),  # trainers and engines take turns: each may use every core
+    **QUIET,
 }
-GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET}
 
 
 @ray.remote
@@ -34,6 +36,8 @@ class Engine:
         from vllm.config import WeightTransferConfig
 
         on_gpu = torch.cuda.is_available()
+        if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it after start-up
+            torch.set_num_threads(os.cpu_count() or 1)
         self.llm = LLM(
             model=model_path,
             seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded instead
@@ -48,6 +52,7 @@ class Engine:
             # Imported in every worker process; registers the CPU "gloo" weight-transfer backend with vLLM.
             worker_extension_cls="common.gloo_transfer.WorkerExtension",
             enable_sleep_mode=sleep_mode,
+            use_tqdm_on_load=False,
             **({"gpu_memory_utilization": memory} if on_gpu else {"kv_cache_memory_bytes": int(memory * 2**30)}),
         )
         self.version = 0

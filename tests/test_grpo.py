@@ -1,0 +1,150 @@
+"""grpo.py: advantages, loss and its aggregation against hand-computed values; weight sync after a real training
+step; end-to-end runs and early errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+import torch
+from conftest import REPO, only_run_dir, read_jsonl, run_script
+
+import grpo
+from common.data import encode_prompt, split_for_ranks
+from common.engines import spawn_engines
+from common.placement import call, init_ray, make_placement_group, rendezvous_address, spawn_trainers
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # two groups of 4
+    adv = grpo.compute_advantages(rewards, group_size=4)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()  # unbiased, as torch.std: sqrt(1/3)
+    want = torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6)
+    torch.testing.assert_close(adv[:4], want)
+    assert torch.equal(adv[4:], torch.zeros(4))  # an all-equal group has no signal
+    assert grpo.keep_groups(rewards, 4).tolist() == [True, True]
+
+
+def test_loss_aggregation_by_hand():
+    w = grpo.loss_weights([2, 4])  # mean over tokens, then over the 2 responses
+    assert w == [[0.25, 0.25], [0.125] * 4]
+    per_token = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 6.0])
+    total = (per_token * torch.tensor([x for row in w for x in row])).sum()
+    assert total.item() == pytest.approx(0.5 * (4 / 2) + 0.5 * (12 / 4))
+
+
+def test_clipped_surrogate_by_hand():
+    old = torch.zeros(4)
+    logprobs = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))  # ratios 1.5, 0.5, 1.1, 0.7
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    loss, clipped = grpo.compute_policy_loss(logprobs, old, adv, clip_eps=0.2)
+    # A>0: min(ρA, clip(ρ)A) -> 1.2 (clipped), 1.1, 0.7 (min picks the unclipped 0.7 < 0.8)
+    # A<0: min(-0.5, -0.8) = -0.8 (clipped)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, 0.8, -1.1, -0.7]))
+    assert clipped.tolist() == [True, True, False, False]
+
+
+def test_k3_kl():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.5])
+    kl = grpo.compute_kl(logp, ref)
+    torch.testing.assert_close(kl, torch.tensor([0.0, torch.exp(torch.tensor(0.5)).item() - 0.5 - 1]))
+
+
+def test_make_sequence_alignment():
+    seq = grpo.make_sequence([10, 11, 12], [20, 21], advantages=[0.5, 0.5], engine_logprobs=[-1.0, -2.0])
+    assert seq["input_ids"] == [10, 11, 12, 20, 21]
+    assert seq["labels"] == [11, 12, 20, 21, 0]
+    assert seq["loss_mask"] == [0, 0, 1, 1, 0]  # positions 2, 3 predict the response tokens 20, 21
+    assert seq["engine_logprobs"] == [0.0, 0.0, -1.0, -2.0, 0.0]
+    assert all(len(v) == 5 for v in seq.values())
+
+
+@pytest.fixture(scope="module")
+def ray_cpu():
+    init_ray(use_gpu=False, num_bundles=4)
+    yield
+    ray.shutdown()
+
+
+def rollout_batch(engines, prompts, G, args):
+    outs = grpo.generate(engines, prompts, G, args.temperature, args)
+    seqs = []
+    for p, group in zip(prompts, outs):
+        for s, adv in zip(group, torch.linspace(-1, 1, G).tolist()):
+            n = len(s["token_ids"])
+            per = {
+                "advantages": [adv] * n,
+                "engine_logprobs": s["logprobs"],
+                "loss_weights": [1.0 / (n * len(prompts) * G)] * n,
+            }
+            seqs.append(grpo.make_sequence(p, s["token_ids"], **per))
+    return [[micro] for micro in split_for_ranks(seqs, 2, 512)]  # [rank][minibatch] -> micro-batches
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_engine_matches_trainer_after_train_step_and_sync(ray_cpu, tied, tiny_model, tiny_model_untied, tokenizer):
+    path = tiny_model if tied else tiny_model_untied
+    args = grpo.Args(learning_rate=1e-3, warmup_steps=1, temperature=0.9, max_response_length=8)
+    pg = make_placement_group([1, 1, 1], use_gpu=False)
+    trainers = spawn_trainers(grpo.Trainer, 2, pg, args, path, num_gpus=0)
+    engines = spawn_engines(1, pg, 2, 1, path, 0, "gloo", 64, 0.25, colocate=False, use_gpu=False)
+    addr, port = rendezvous_address(pg, 0)
+    call(trainers, "init_weight_sync", engines, "gloo", addr, port)
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 1?"}]) for a in range(3)]
+
+    first = call(trainers, "train_step", 0, per_rank=rollout_batch(engines, prompts, 4, args))
+    assert max(r["logprob_diff_max"] for r in first) < 1e-4  # identical weights at the start
+    # trained but not pushed: the engine samples from stale weights and the probe sees it
+    stale = call(trainers, "train_step", 1, per_rank=rollout_batch(engines, prompts, 4, args))
+    assert max(r["logprob_diff_max"] for r in stale) > 1e-2
+    call(trainers, "push_weights")
+    synced = call(trainers, "train_step", 2, per_rank=rollout_batch(engines, prompts, 4, args))
+    assert max(r["logprob_diff_max"] for r in synced) < 1e-4
+    for a in trainers + engines:
+        ray.kill(a)
+    ray.util.remove_placement_group(pg)
+
+
+def grpo_args(model, out, *extra):
+    return ("--model", model, "--output-dir", str(out), "--num-generations", "4", "--prompts-per-step", "4",
+            "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
+
+
+def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm(tiny_model, tmp_path):
+    result = run_script("grpo.py", *grpo_args(tiny_model, tmp_path, "--num-steps", "2", "--num-trainers", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path)
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["train/logprob_diff_max"] < 1e-4  # step 2 sampled from the weights pushed after step 1
+    assert read_jsonl(os.path.join(run_dir, "samples.jsonl"))
+    final = os.path.join(run_dir, "checkpoints", "final")
+    code = (
+        "import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']='0'\n"
+        "from vllm import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({final!r}, dtype='float32', enforce_eager=True, kv_cache_memory_bytes=2**26, max_model_len=128)\n"
+        "    out = llm.generate(['What is 1 + 1?'], SamplingParams(max_tokens=4, temperature=0))\n"
+        "    print('TOKENS', len(out[0].outputs[0].token_ids))\n"
+    )
+    check = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "TOKENS" in check.stdout, check.stderr[-3000:]
+
+
+def test_crashing_reward_fn_fails_before_generation(tiny_model, tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def reward(response, answer):\n    raise KeyError('boom')\n")
+    result = run_script(
+        "grpo.py", *grpo_args(tiny_model, tmp_path / "runs", "--reward-fn", f"{bad}:reward"), timeout=120
+    )
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and last.startswith("error: ") and "KeyError" in last, result.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_long_prompts_fail_before_generation(tiny_model, tmp_path):
+    result = run_script("grpo.py", *grpo_args(tiny_model, tmp_path / "runs", "--max-prompt-length", "10"), timeout=120)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and "longer than --max-prompt-length 10" in last, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
