@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) sft.py
+	$(PY) grpo.py
 
 test: setup
 	@$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc

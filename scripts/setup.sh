@@ -16,7 +16,7 @@ python3 -m venv .venv
 pip=(.venv/bin/python -m pip)
 "${pip[@]}" install -q --upgrade pip
 extra=()
-if [ "$req" = requirements-cpu.txt ] && .venv/bin/python - <<'PY'
+if [ "$req" = requirements-cpu.txt ] && .venv/bin/python - 2>/dev/null <<'PY'
 import urllib.request
 urllib.request.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=5)
 PY

@@ -19,14 +19,15 @@ class SyncTrainer:
         self.model = sft.load_policy(model_path, self.device, gradient_checkpointing=False)
 
     def init_sync(self, engines, backend, addr, port):
-        self.sync = init_weight_sync(self.model, engines, backend, self.rank, addr, port, 1, torch.float32)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines' dtype
+        self.sync = init_weight_sync(self.model, engines, backend, self.rank, addr, port, 1, dtype)
 
     @torch.no_grad()
     def perturb(self, scale):
         gen = torch.Generator().manual_seed(0)
         for p in self.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
-            local.add_(torch.randn(local.shape, generator=gen) * scale)
+            local.add_(torch.randn(local.shape, generator=gen).to(local.device) * scale)
 
     def push(self):
         self.sync.send_weights()
@@ -35,12 +36,13 @@ class SyncTrainer:
     def logprobs(self, sequences, temperature):
         out = []
         for mb in pack(sequences, 4096):
+            mb = {k: v.to(self.device) for k, v in mb.items()}
             out.append(
                 sft.compute_logprobs(
                     self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], temperature
                 )
             )
-        return torch.cat(out)
+        return torch.cat(out).cpu()
 
 
 def sample_and_score(engines, trainers, prompts, temperature):
@@ -92,3 +94,40 @@ def test_gloo_sync_matches_trainer_logprobs(ray_cpu, tied, tiny_model, tiny_mode
     for a in trainers + engines:
         ray.kill(a)
     ray.util.remove_placement_group(pg)
+
+
+# GPU tier: the same check over nccl (trainer and engine on separate GPUs) and over CUDA IPC (colocated on one
+# GPU, the engine asleep while the trainer changes its weights). Weights travel and run in bf16 there, so the
+# tolerance is bf16's, and the perturbation is large enough that a missed update fails it.
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
+    colocate = backend == "ipc"
+    if not colocate and torch.cuda.device_count() < 2:
+        pytest.skip("nccl sync needs 2 GPUs (one trainer, one engine)")
+    init_ray(use_gpu=True, num_bundles=2)
+    try:
+        pg = make_placement_group([1] if colocate else [1, 1], use_gpu=True)
+        trainers = spawn_trainers(SyncTrainer, 1, pg, tiny_model, num_gpus=0.5 if colocate else 1)
+        engines = spawn_engines(
+            1, pg, 0 if colocate else 1, 1, tiny_model, 0, backend, 256, 0.3, colocate=colocate, use_gpu=True
+        )
+        addr, port = rendezvous_address(pg, 0)
+        call(trainers, "init_sync", engines, backend, addr, port)
+        prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 3?"}]) for a in range(4)]
+        trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 0.8)
+        assert (trainer_lp - engine_lp).abs().mean() < 2e-2  # bf16 on both sides
+
+        if colocate:
+            call(engines, "sleep")  # as in training: the engine frees the GPU while the trainer updates
+        call(trainers, "perturb", 0.05)
+        if colocate:
+            call(engines, "wake_up", ["weights"])
+        call(trainers, "push")
+        if colocate:
+            call(engines, "wake_up", ["kv_cache"])
+        assert ray.get(engines[0].get_version.remote()) == 1
+        trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 0.8)
+        assert (trainer_lp - engine_lp).abs().mean() < 2e-2
+    finally:
+        ray.shutdown()
