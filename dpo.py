@@ -1,0 +1,480 @@
+"""DPO: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), with IPO and cDPO.
+
+RLHF with a KL-regularised reward has a closed-form optimal policy, so the reward can be written through the
+policy itself: r(x, y) = β log π_θ(y|x) / π_ref(y|x) (+ a term of x alone, which cancels in a pair). Putting
+that into the Bradley-Terry likelihood of preference pairs (x, chosen y_c, rejected y_r) gives a classification
+loss on the policy, with no reward model and no sampling:
+    Δ_c = log π_θ(y_c|x) - log π_ref(y_c|x),  Δ_r = the same for y_r,  h = Δ_c - Δ_r      (sums over response tokens)
+    DPO:   L = -log σ(β h)
+    cDPO:  L = -(1 - ε) log σ(β h) - ε log σ(-β h)        labels flipped with probability ε (conservative DPO)
+    IPO:   L = (h - 1/(2β))²                              (Azar et al. 2023, arXiv 2310.12036, eq. 17)
+averaged over the pairs of a batch. π_ref is the frozen starting model; each trainer rank holds an FSDP2 shard
+of both, and computes the reference logprobs of every batch in a no-grad forward.
+
+Run it:
+    python dpo.py                                              # built-in model and arithmetic pairs, CPU or GPU
+    python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \\
+        --eval-dataset trl-lib/ultrafeedback_binarized --accuracy-dataset "" --max-length 1024 \\
+        --max-tokens-per-micro-batch 8192 --batch-size 64 --num-steps 500 --learning-rate 5e-7   # 1 GPU
+    python dpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset my_pairs.jsonl --num-trainers 8 --ipo \\
+        --batch-size 128 --max-tokens-per-micro-batch 16384 --gradient-checkpointing   # 8 GPUs, IPO loss
+"""
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.data import (
+    InputError,
+    as_messages,
+    encode_example,
+    encode_prompt,
+    load_rows,
+    split_for_ranks,
+    validate_rows,
+)
+from common.model import BUILTIN_MODEL, resolve_model
+from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
+from common.tracking import Run, find_checkpoint, save_hf_folder
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
+    seed: int = 1
+    """seed of model init, data order and sampling"""
+    track: bool = False
+    """log metrics to Weights & Biases"""
+    wandb_project: str = "posttrain"
+    """the wandb project"""
+    output_dir: str = "runs"
+    """folder for run directories"""
+    resume: str | None = None
+    """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
+    save_every: int = 0
+    """save a resumable checkpoint every N steps (0: only the final model)"""
+    eval_every: int = 10
+    """evaluate every N steps, and before the first and after the last"""
+
+    # Model and data
+    model: str = BUILTIN_MODEL
+    """HF hub id, local HF folder, or the built-in offline model (also the frozen reference π_ref)"""
+    dataset: str = "data/arithmetic/prefs_train.jsonl"
+    """preference pairs: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`chosen`+`rejected`"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a hub id"""
+    eval_dataset: str = "data/arithmetic/prefs_test.jsonl"
+    """held-out pairs for the eval loss and preference accuracy ("" to skip)"""
+    eval_split: str = "test"
+    """split to read when --eval-dataset is a hub id"""
+    accuracy_dataset: str = "data/arithmetic/prompts_test.jsonl"
+    """held-out `prompt`+`answer` rows for greedy accuracy ("" to skip)"""
+    max_length: int = 512
+    """longest sequence (prompt + one response) in tokens"""
+    drop_long: bool = False
+    """drop pairs longer than --max-length instead of stopping with an error"""
+    max_new_tokens: int = 32
+    """generation budget of the greedy accuracy eval"""
+
+    # Resources
+    num_trainers: int = 1
+    """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, ~30% more compute"""
+
+    # Algorithm
+    beta: float = 0.1
+    """β: strength of the implicit KL to π_ref (DPO: scale of the implicit reward; IPO: target margin 1/(2β))"""
+    label_smoothing: float = 0.0
+    """ε: cDPO, the chance that a pair's label is wrong (0: plain DPO; sigmoid loss only)"""
+    ipo: bool = False
+    """use the IPO loss (h - 1/(2β))² instead of DPO's -log σ(β h)"""
+
+    # Optimization
+    num_steps: int = 16
+    """optimizer steps"""
+    batch_size: int = 8
+    """preference pairs per optimizer step, over all ranks"""
+    max_tokens_per_micro_batch: int = 1024
+    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
+    learning_rate: float = 2e-5
+    """peak learning rate of AdamW"""
+    warmup_steps: int = 2
+    """linear warm-up steps, then cosine decay"""
+    min_lr_ratio: float = 0.1
+    """the cosine decays to learning_rate * min_lr_ratio"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+
+
+# ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
+def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Load a causal LM and shard it with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+
+    Master weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    """
+    use_flash = device.type == "cuda" and _has_flash_attn()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="flash_attention_2" if use_flash else "sdpa"
+    ).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    return model
+
+
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
+    """log π(label_t | tokens ≤ t) / temperature-scaled, for every position t where mask is 1.
+
+    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
+    positions go through the LM head, which saves the (T, vocab) logits of prompt tokens. Returns (N,).
+    """
+    keep = mask[0].nonzero().squeeze(-1)  # (N,)
+    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    logits = out.logits[0].float() / temperature  # (N, V)
+    return -F.cross_entropy(logits, labels[0, keep], reduction="none")  # (N,)
+
+
+def reward_fn(response: str, answer: str) -> float:
+    """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
+
+    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in the response;
+    other answers (LaTeX, fractions) go through math-verify.
+    """
+    answer = answer.split("####")[-1].strip().replace(",", "")
+    if re.fullmatch(r"-?\d+", answer):
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response)
+        return float(bool(numbers) and float(numbers[-1].replace(",", "")) == int(answer))
+    from math_verify import parse, verify
+
+    return float(verify(parse(answer), parse(response)))
+
+
+def sequence_logprobs(model, mb: dict) -> torch.Tensor:
+    """log π(y|x) of every response in a packed micro-batch of pairs: the sum over its tokens. Returns (P, 2),
+    column 0 chosen, column 1 rejected (make_pair puts them in that order)."""
+    logprobs = compute_logprobs(model, mb["input_ids"], mb["positions"], mb["labels"], mb["loss_mask"])  # (N,)
+    seq_index = (mb["positions"][0] == 0).cumsum(0) - 1  # (T,) which sequence each token belongs to
+    keep = mb["loss_mask"][0].bool()
+    sums = torch.zeros(int(seq_index[-1]) + 1, device=logprobs.device).index_add(0, seq_index[keep], logprobs)
+    return sums.view(-1, 2)
+
+
+def compute_dpo_loss(chosen_logratios, rejected_logratios, beta: float, label_smoothing: float = 0.0, ipo=False):
+    """Per-pair loss from Δ = log π_θ(y|x) - log π_ref(y|x) of the chosen and rejected responses, all (P,).
+
+    One loss, three documented variants of the same algorithm: DPO (ε = 0), cDPO (ε > 0), IPO (ipo=True; a
+    squared loss that stops pushing once the log-ratio gap reaches 1/(2β) instead of driving it to infinity).
+    """
+    h = chosen_logratios - rejected_logratios
+    if ipo:
+        return (h - 1 / (2 * beta)) ** 2
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+def check_pairs(rows: list[dict], source: str) -> None:
+    """Each pair needs two different, non-empty responses: an empty or tied pair teaches nothing (or noise)."""
+
+    def text(value):
+        return "".join(str(m["content"]) for m in as_messages(value, "assistant")).strip()
+
+    for i, row in enumerate(rows, 1):
+        for col in ("chosen", "rejected"):
+            if not text(row[col]):
+                raise InputError(f"{source}: row {i} column {col!r} is empty")
+        if text(row["chosen"]) == text(row["rejected"]):
+            raise InputError(f"{source}: row {i} has identical 'chosen' and 'rejected' responses")
+
+
+def lr_at(step: int, args: Args) -> float:
+    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
+    if step < args.warmup_steps:
+        return args.learning_rate * (step + 1) / args.warmup_steps
+    progress = (step + 1 - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+
+
+def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
+
+    A pure function of the step, so --resume replays exactly the order an uninterrupted run would have seen.
+    """
+    rows = []
+    for pos in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(pos, num_rows)
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        rows.append(int(perm[i]))
+    return rows
+
+
+def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> dict[str, list]:
+    """One packing unit from (ids, response mask) of prompt + chosen and of prompt + rejected, in that order, so a
+    pair never straddles micro-batches or ranks. Each half is shifted once, as in sft.py: position t predicts
+    labels[t] = ids[t+1], counted iff that is a response token. `positions` restart at the rejected half, so
+    the halves attend only to themselves."""
+    seq = {"input_ids": [], "labels": [], "loss_mask": [], "positions": []}
+    for ids, mask in (chosen, rejected):
+        seq["input_ids"] += ids
+        seq["labels"] += ids[1:] + [0]
+        seq["loss_mask"] += mask[1:] + [0]
+        seq["positions"] += list(range(len(ids)))
+    return seq
+
+
+# TRY NOT TO MODIFY: the trainer actor (one per rank).
+@ray.remote
+class Trainer:
+    def __init__(self, args: Args, model_path: str, ref_path: str, rank: int, world_size: int, addr: str, port: int):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.device = init_distributed(rank, world_size, addr, port)
+        torch.manual_seed(args.seed)
+        self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
+        # π_ref: the frozen starting model (also when resuming: the run's start, not the checkpoint).
+        self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False).eval().requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
+        )
+
+    def pair_losses(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch of pairs."""
+        with torch.no_grad():
+            ref_logprobs = sequence_logprobs(self.ref, mb)  # (P, 2)
+        logratios = sequence_logprobs(self.model, mb) - ref_logprobs  # (P, 2) Δ
+        a = self.args
+        losses = compute_dpo_loss(logratios[:, 0], logratios[:, 1], a.beta, a.label_smoothing, a.ipo)
+        return losses, a.beta * logratios.detach()
+
+    def train_step(self, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
+        """One optimizer step over this rank's micro-batches. Returns sums; the driver divides by counts."""
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.args)
+        stats = {}
+        for i, mb in enumerate(micro_batches):
+            mb = {k: v.to(self.device) for k, v in mb.items()}
+            # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            losses, rewards = self.pair_losses(mb)
+            loss = losses.sum() * mb["loss_scale"]
+            # Mean over the pairs of the whole global batch; FSDP averages over ranks, so undo its 1/world.
+            (loss * self.world_size / num_pairs).backward()
+            add_pair_stats(stats, losses.detach(), rewards, mb["loss_scale"].item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        return {**stats, "grad_norm": grad_norm.item(), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    @torch.no_grad()
+    def eval_pairs(self, micro_batches: list[dict]) -> dict:
+        self.model.eval()
+        stats = {}
+        for mb in micro_batches:
+            mb = {k: v.to(self.device) for k, v in mb.items()}
+            losses, rewards = self.pair_losses(mb)
+            add_pair_stats(stats, losses, rewards, mb["loss_scale"].item())
+        return stats
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions of this rank's prompts. synced_gpus keeps the ranks' FSDP collectives in step."""
+        self.model.eval()
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left-pad
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=pad, synced_gpus=self.world_size > 1,
+        )  # fmt: skip
+        stop = {self.tokenizer.eos_token_id, pad}
+        return [[t for t in row[width:].tolist() if t not in stop] for row in out]
+
+    def save(self, path: str, step: int, with_optimizer: bool):
+        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
+        if self.rank == 0:
+            save_hf_folder(
+                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
+            )
+        dist.barrier()
+
+    def load_optimizer(self, path: str):
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+
+
+def add_pair_stats(stats: dict, losses: torch.Tensor, rewards: torch.Tensor, scale: float) -> None:
+    """Accumulate sums of the loss and the implicit rewards (P, 2); a tie (h = 0, e.g. at step 0) counts half."""
+    margins = rewards[:, 0] - rewards[:, 1]
+    sums = {
+        "loss": losses.sum(),
+        "accuracy": (margins > 0).sum() + 0.5 * (margins == 0).sum(),
+        "margin": margins.sum(),
+        "chosen_reward": rewards[:, 0].sum(),
+        "rejected_reward": rewards[:, 1].sum(),
+        "pairs": len(losses),
+    }
+    for k, v in sums.items():
+        stats[k] = stats.get(k, 0.0) + float(v) * scale
+
+
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    if args.batch_size % args.num_trainers:
+        raise InputError(f"--batch-size {args.batch_size} is not divisible by --num-trainers {args.num_trainers}")
+    if args.max_tokens_per_micro_batch < 2 * args.max_length:
+        raise InputError("--max-tokens-per-micro-batch must be at least 2 * --max-length (a pair must fit)")
+    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
+        raise InputError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+    if args.ipo and args.label_smoothing:
+        raise InputError("--label-smoothing (cDPO) applies to the sigmoid loss only, not to --ipo")
+    resume_step, run_dir = 0, None
+    if args.resume:
+        run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
+        if resume_step >= args.num_steps:
+            raise InputError(
+                f"--resume: the checkpoint is at step {resume_step}, not before --num-steps {args.num_steps}"
+            )
+    use_gpu = check_devices(args.num_trainers)
+    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
+    if args.eval_dataset:
+        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
+    for rows, source in datasets.values():
+        validate_rows(rows, ["prompt", "chosen", "rejected"], source)
+        check_pairs(rows, source)
+    accuracy_rows = []
+    if args.accuracy_dataset:
+        accuracy_rows, source = load_rows(args.accuracy_dataset, args.eval_split)
+        validate_rows(accuracy_rows, ["prompt", "answer"], source)
+    model_path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    # ---- tokenize: prompt + chosen and prompt + rejected per row; count pairs that are too long ----
+    pairs = {}
+    for split, (rows, source) in datasets.items():
+        encoded = [
+            (encode_example(tokenizer, r["prompt"], r["chosen"]), encode_example(tokenizer, r["prompt"], r["rejected"]))
+            for r in rows
+        ]  # fmt: skip
+        too_long = [i + 1 for i, (c, r) in enumerate(encoded) if max(len(c[0]), len(r[0])) > args.max_length]
+        if too_long and not args.drop_long:
+            raise InputError(
+                f"{source}: {len(too_long)} of {len(rows)} pairs are longer than --max-length {args.max_length} "
+                f"tokens (first: row {too_long[0]}); raise --max-length or pass --drop-long"
+            )
+        pairs[split] = [make_pair(c, r) for c, r in encoded if max(len(c[0]), len(r[0])) <= args.max_length]
+        if not pairs[split]:
+            raise InputError(f"{source}: no pairs left within --max-length")
+    accuracy_prompts = [encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
+
+    # ---- start Ray, place the trainers (policy + frozen reference), open the run directory ----
+    init_ray(use_gpu, args.num_trainers)
+    pg = make_placement_group([1] * args.num_trainers, use_gpu)
+    start_from = resume_ckpt if args.resume else model_path
+    trainers = spawn_trainers(
+        Trainer, args.num_trainers, pg, args, start_from, model_path, num_gpus=1 if use_gpu else 0
+    )
+    if args.resume:
+        call(trainers, "load_optimizer", resume_ckpt)
+    run = Run(args, run_dir, resume_step)
+    run.print(f"run dir: {run.dir}  model: {args.model}  train pairs: {len(pairs['train'])}")
+
+    def pair_metrics(prefix: str, sums: list[dict]) -> dict:
+        n = sum(s["pairs"] for s in sums)
+        keys = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
+        return {f"{prefix}/{k}": sum(s[k] for s in sums) / n for k in keys}
+
+    def evaluate(step: int) -> dict:
+        metrics = {}
+        if "eval" in pairs:
+            shares = split_for_ranks(pairs["eval"], args.num_trainers, args.max_tokens_per_micro_batch)
+            metrics.update(pair_metrics("eval", call(trainers, "eval_pairs", per_rank=shares)))
+        if accuracy_prompts:
+            n = args.num_trainers
+            shares = [accuracy_prompts[r::n] for r in range(n)]
+            outs = call(trainers, "generate", args.max_new_tokens, per_rank=shares)
+            responses = [None] * len(accuracy_prompts)
+            for r, out in enumerate(outs):
+                responses[r::n] = [tokenizer.decode(o) for o in out]
+            rewards = [reward_fn(resp, row["answer"]) for resp, row in zip(responses, accuracy_rows)]
+            metrics["eval/greedy_accuracy"] = sum(rewards) / len(rewards)
+            run.log_samples(step, [
+                {"prompt": row["prompt"], "response": resp, "answer": row["answer"], "reward": rew}
+                for row, resp, rew in zip(accuracy_rows, responses, rewards)
+            ])  # fmt: skip
+        return metrics
+
+    # ---- training loop ----
+    console = ("train/loss", "train/accuracy", "train/margin", "eval/loss", "eval/accuracy", "eval/greedy_accuracy")
+    first = evaluate(resume_step) if resume_step == 0 else {}
+    if first:
+        run.log(0, first, console)
+    run.start_progress(args.num_steps, resume_step)
+    train = pairs["train"]
+    for step in range(resume_step, args.num_steps):
+        t0 = time.time()
+        batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
+        shares = split_for_ranks(batch, args.num_trainers, args.max_tokens_per_micro_batch)
+        results = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        elapsed = time.time() - t0
+        metrics = {
+            **pair_metrics("train", results),
+            "train/grad_norm": results[0]["grad_norm"],
+            "train/lr": results[0]["lr"],
+            "time/step": elapsed,
+            "perf/tokens_per_s": sum(len(p["input_ids"]) for p in batch) / elapsed,
+        }
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.num_steps:
+            metrics.update(evaluate(done))
+        run.log(done, metrics, console)
+        if args.save_every and done % args.save_every == 0 and done < args.num_steps:
+            call(trainers, "save", run.checkpoint_dir(done), done, True)
+
+    # ---- teardown: final model in HF format ----
+    call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
+    for key, what in (("eval/accuracy", "preference"), ("eval/greedy_accuracy", "greedy")):
+        if first and key in metrics:
+            run.print(f"held-out {what} accuracy: {first[key]:.3f} -> {metrics[key]:.3f}")
+    run.print(f"final model: {run.checkpoint_dir('final')}")
+    run.close()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,142 @@
+"""dpo.py: DPO / cDPO / IPO losses, summed response logprobs, FSDP2 across ranks, end-to-end runs, bad inputs."""
+
+import json
+import math
+import os
+
+import pytest
+import ray
+import torch
+from conftest import only_run_dir, read_jsonl, run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import dpo
+from common.data import encode_example, load_rows, split_for_ranks
+from common.placement import call, init_ray, make_placement_group, spawn_trainers
+
+
+def softplus(x):  # -log σ(-x) = log(1 + e^x)
+    return math.log(1 + math.exp(x))
+
+
+def test_losses_closed_form():
+    # hand-made sequence logprobs of two pairs: policy and reference, chosen and rejected
+    pi_c, pi_r = torch.tensor([-3.0, -5.0]), torch.tensor([-6.0, -4.0])
+    ref_c, ref_r = torch.tensor([-4.0, -5.0]), torch.tensor([-5.0, -4.5])
+    chosen, rejected = pi_c - ref_c, pi_r - ref_r  # Δ_c = [1, 0], Δ_r = [-1, 0.5] -> h = [2, -0.5]
+    beta = 0.5
+    dpo_want = torch.tensor([softplus(-1.0), softplus(0.25)])  # -log σ(β h) = log(1 + e^(-β h))
+    torch.testing.assert_close(dpo.compute_dpo_loss(chosen, rejected, beta), dpo_want)
+    eps = 0.2
+    cdpo_want = torch.tensor([0.8 * softplus(-1.0) + 0.2 * softplus(1.0), 0.8 * softplus(0.25) + 0.2 * softplus(-0.25)])
+    torch.testing.assert_close(dpo.compute_dpo_loss(chosen, rejected, beta, label_smoothing=eps), cdpo_want)
+    ipo_want = torch.tensor([(2 - 1.0) ** 2, (-0.5 - 1.0) ** 2])  # (h - 1/(2β))², 1/(2β) = 1
+    torch.testing.assert_close(dpo.compute_dpo_loss(chosen, rejected, beta, ipo=True), ipo_want)
+
+
+def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
+    chosen = torch.zeros(3, requires_grad=True)
+    rejected = torch.zeros(3, requires_grad=True)
+    dpo.compute_dpo_loss(chosen, rejected, beta=0.1).sum().backward()
+    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()  # gradient descent raises Δ_c, lowers Δ_r
+    torch.testing.assert_close(chosen.grad, torch.full((3,), -0.05))  # -β σ(0) = -0.05
+
+
+def test_sequence_logprobs_sum_response_tokens_only(tiny_model, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    examples = [
+        encode_example(tokenizer, prompt, [{"role": "assistant", "content": text}])
+        for text in ("2 + 3 = 5", "2 + 3 = 23", "5", "The sum of 2 and 3 is 6.")
+    ]
+    units = [dpo.make_pair(examples[0], examples[1]), dpo.make_pair(examples[2], examples[3])]
+    mb = {k: torch.tensor([units[0][k] + units[1][k]]) for k in units[0]}  # two pairs packed in one row
+    with torch.no_grad():
+        got = dpo.sequence_logprobs(model, mb)
+        want = []
+        for ids, mask in examples:  # each response alone: explicit log-softmax, summed over response tokens
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+            want.append(sum(logp[t - 1, ids[t]] for t in range(1, len(ids)) if mask[t]))
+    assert got.shape == (2, 2)
+    torch.testing.assert_close(got, torch.stack(want).view(2, 2), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def ray_cpu():
+    init_ray(use_gpu=False, num_bundles=4)
+    yield
+    ray.shutdown()
+
+
+def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3):
+    rows, _ = load_rows("data/arithmetic/prefs_train.jsonl")
+    pairs = [
+        dpo.make_pair(encode_example(tokenizer, r["prompt"], r["chosen"]), encode_example(tokenizer, r["prompt"], r["rejected"]))
+        for r in rows[:24]
+    ]  # fmt: skip
+    args = dpo.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=256, beta=0.5)
+    pg = make_placement_group([1] * world_size, use_gpu=False)
+    trainers = spawn_trainers(dpo.Trainer, world_size, pg, args, model_path, model_path, num_gpus=0)
+    losses = []
+    for step in range(steps):
+        batch = pairs[step * 8 : (step + 1) * 8]
+        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch)
+        out = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        losses.append(sum(o["loss"] for o in out) / len(batch))
+    call(trainers, "save", str(out_dir), steps, False)
+    for t in trainers:
+        ray.kill(t)
+    ray.util.remove_placement_group(pg)
+    return losses, load_file(os.path.join(out_dir, "model.safetensors"))
+
+
+def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path):
+    losses1, weights1 = train_with_ranks(1, tiny_model, tokenizer, tmp_path / "one")
+    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two")
+    assert losses1[0] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference at step 0: -log σ(0)
+    assert losses1 == pytest.approx(losses2, abs=1e-4)
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert weights1.keys() == weights2.keys()
+    for name in weights1:
+        torch.testing.assert_close(weights1[name], weights2[name], atol=1e-4, rtol=0)
+    moved = max((weights1[n] - initial[n]).abs().max().item() for n in weights1)
+    assert moved > 1e-3  # the comparison is not between two untouched models
+
+
+def test_dpo_end_to_end_loads_in_transformers(tiny_model, tmp_path):
+    out = tmp_path / "runs"
+    result = run_script(
+        "dpo.py", "--model", tiny_model, "--output-dir", str(out), "--num-steps", "3", "--batch-size", "4",
+        "--learning-rate", "1e-3", "--warmup-steps", "1", "--max-new-tokens", "4", "--label-smoothing", "0.1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["eval/accuracy"] == pytest.approx(0.5, abs=0.1)  # policy = reference: ties count half
+    assert rows[0]["eval/margin"] == pytest.approx(0.0, abs=1e-3)
+    want = {"eval/loss", "eval/accuracy", "eval/margin", "eval/chosen_reward", "eval/greedy_accuracy"}
+    assert want <= rows[-1].keys() and {"train/loss", "train/rejected_reward"} <= rows[1].keys()
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "final"))
+    assert model.config.num_hidden_layers == 2
+    assert len(read_jsonl(os.path.join(run_dir, "samples.jsonl"))) == 2 * 64  # greedy samples at steps 0 and 3
+
+
+@pytest.mark.parametrize("case", ["empty_rejected", "identical", "ipo_with_smoothing"])
+def test_bad_inputs_fail_fast_naming_the_row(case, tiny_model, tmp_path):
+    good = {"prompt": [{"role": "user", "content": "1 + 1?"}], "chosen": "2", "rejected": "3"}
+    bad = {**good, "rejected": ""} if case == "empty_rejected" else {**good, "rejected": " 2 "}
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(good) + "\n" + json.dumps(good if case == "ipo_with_smoothing" else bad) + "\n")
+    extra = ["--ipo", "--label-smoothing", "0.1"] if case == "ipo_with_smoothing" else []
+    out = tmp_path / "runs"
+    result = run_script(
+        "dpo.py", "--model", tiny_model, "--dataset", str(data), "--eval-dataset", "", "--accuracy-dataset", "",
+        "--output-dir", str(out), *extra, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    want = {"empty_rejected": "row 2 column 'rejected' is empty", "identical": "row 2 has identical"}
+    assert last.startswith("error: ") and want.get(case, "--ipo") in last, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not out.exists()
