@@ -51,6 +51,7 @@ from common.placement import (
     spawn_trainers,
     wait_all,
 )
+from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 from common.weight_sync import choose_backend, init_weight_sync
 
@@ -98,6 +99,8 @@ class Args:
     # Resources
     num_trainers: int = 1
     """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    sp_size: int = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers = data-parallel x sp-size)"""
     num_engines: int = 1
     """vLLM engines (Ray actors) generating rollouts"""
     engine_tp: int = 1
@@ -272,9 +275,12 @@ class Trainer:
         self.device = init_distributed(rank, world_size, addr, port)
         torch.manual_seed(args.seed)
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
+        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         self.ref = None
         if args.kl_coef > 0:  # the frozen reference π_ref, only when the KL term is on
             self.ref = load_policy(model_path, self.device, gradient_checkpointing=False).eval().requires_grad_(False)
+            enable_ring_attention(self.ref, self.sp.group)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
@@ -294,7 +300,14 @@ class Trainer:
         args, stats = self.args, defaultdict(float)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        minibatches = [[{k: v.to(self.device) for k, v in mb.items()} for mb in mini] for mini in minibatches]
+        # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; each token's loss is on one rank.
+        minibatches = [
+            [
+                shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+                for mb in mini
+            ]
+            for mini in minibatches
+        ]
         micro_batches = [mb for mini in minibatches for mb in mini]
         one_update = args.num_minibatches * args.num_epochs == 1
         with torch.no_grad():
@@ -385,8 +398,13 @@ def main(args: Args):
     G = args.num_generations
     if G < 2:
         raise InputError("--num-generations must be at least 2: the group is the baseline")
-    if (args.prompts_per_step * G) % (args.num_minibatches * args.num_trainers):
-        raise InputError("--prompts-per-step x --num-generations must divide into --num-minibatches x --num-trainers")
+    if args.sp_size < 1 or args.num_trainers % args.sp_size:
+        raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
+    if (args.prompts_per_step * G) % (args.num_minibatches * dp_size):
+        raise InputError(
+            "--prompts-per-step x --num-generations must divide into --num-minibatches x data-parallel groups"
+        )
     if args.colocate and (args.engine_tp != 1 or args.num_engines != args.num_trainers):
         raise InputError(
             "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and --num-engines = --num-trainers"
@@ -498,8 +516,9 @@ def main(args: Args):
         for mini in minis:
             weights = loss_weights([len(resp) for _, resp, _ in mini])
             seqs = [make_sequence(p, r, loss_weights=w, **extra) for (p, r, extra), w in zip(mini, weights)]
-            for rank, micro in enumerate(split_for_ranks(seqs, args.num_trainers, args.max_tokens_per_micro_batch)):
-                shares[rank].append(micro)
+            micros = split_for_ranks(seqs, dp_size, args.max_tokens_per_micro_batch)
+            for rank in range(args.num_trainers):  # the SP ranks of a group get the same share
+                shares[rank].append(micros[rank // args.sp_size])
         results = call(trainers, "train_step", step, per_rank=shares)
         t_train = time.time()
 

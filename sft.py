@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.data import InputError, encode_example, encode_prompt, load_rows, split_for_ranks, validate_rows
 from common.model import BUILTIN_MODEL, resolve_model
 from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
+from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
 
@@ -82,6 +83,8 @@ class Args:
     # Resources
     num_trainers: int = 1
     """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    sp_size: int = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers = data-parallel x sp-size)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
 
@@ -185,6 +188,8 @@ class Trainer:
         self.device = init_distributed(rank, world_size, addr, port)
         torch.manual_seed(args.seed)
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
+        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
@@ -197,7 +202,8 @@ class Trainer:
             group["lr"] = lr_at(step, self.args)
         loss_sum = 0.0
         for i, mb in enumerate(micro_batches):
-            mb = {k: v.to(self.device) for k, v in mb.items()}
+            # With --sp-size k this rank holds 2 of the row's 2k zigzag chunks; each token's loss is on one rank.
+            mb = shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
             # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             logprobs = compute_logprobs(self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
@@ -216,7 +222,7 @@ class Trainer:
         self.model.eval()
         loss_sum = tokens = 0.0
         for mb in micro_batches:
-            mb = {k: v.to(self.device) for k, v in mb.items()}
+            mb = shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
             logprobs = compute_logprobs(self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
             loss_sum += -logprobs.sum().item() * mb["loss_scale"].item()
             tokens += mb["loss_mask"].sum().item() * mb["loss_scale"].item()
@@ -230,10 +236,12 @@ class Trainer:
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left-pad
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        enable_ring_attention(self.model, None)  # each rank generates its own prompts whole
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=pad, synced_gpus=self.world_size > 1,
         )  # fmt: skip
+        enable_ring_attention(self.model, self.sp.group)
         stop = {self.tokenizer.eos_token_id, pad}
         return [[t for t in row[width:].tolist() if t not in stop] for row in out]
 
@@ -262,8 +270,11 @@ def _has_flash_attn() -> bool:
 
 def main(args: Args):
     # ---- validate everything cheap before anything expensive starts ----
-    if args.batch_size % args.num_trainers:
-        raise InputError(f"--batch-size {args.batch_size} is not divisible by --num-trainers {args.num_trainers}")
+    if args.sp_size < 1 or args.num_trainers % args.sp_size:
+        raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
+    if args.batch_size % dp_size:
+        raise InputError(f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups")
     if args.max_tokens_per_micro_batch < args.max_length:
         raise InputError("--max-tokens-per-micro-batch must be at least --max-length (a sequence must fit)")
     resume_step, run_dir = 0, None
@@ -314,8 +325,8 @@ def main(args: Args):
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in sequences:
-            shares = split_for_ranks(sequences["eval"], args.num_trainers, args.max_tokens_per_micro_batch)
-            sums = call(trainers, "eval_loss", per_rank=shares)
+            shares = split_for_ranks(sequences["eval"], dp_size, args.max_tokens_per_micro_batch)
+            sums = call(trainers, "eval_loss", per_rank=[shares[r // args.sp_size] for r in range(args.num_trainers)])
             metrics["eval/loss"] = sum(s["loss_sum"] for s in sums) / sum(s["tokens"] for s in sums)
         if accuracy_prompts:
             n = args.num_trainers
@@ -343,8 +354,14 @@ def main(args: Args):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)
-        shares = split_for_ranks(batch, args.num_trainers, args.max_tokens_per_micro_batch)
-        results = call(trainers, "train_step", num_tokens, step, per_rank=shares)
+        shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)  # SP ranks of a group: same share
+        results = call(
+            trainers,
+            "train_step",
+            num_tokens,
+            step,
+            per_rank=[shares[r // args.sp_size] for r in range(args.num_trainers)],
+        )
         elapsed = time.time() - t0
         metrics = {
             "train/loss": sum(r["loss_sum"] for r in results) / num_tokens,

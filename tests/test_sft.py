@@ -66,18 +66,20 @@ def ray_cpu():
     ray.shutdown()
 
 
-def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3):
+def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
     rows, _ = load_rows("data/arithmetic/sft_train.jsonl")
     sequences = [sft.make_sequence(*encode_example(tokenizer, r["messages"])) for r in rows[:24]]
-    args = sft.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=128)
+    args = sft.Args(
+        learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=128, sp_size=sp_size
+    )
     pg = make_placement_group([1] * world_size, use_gpu=False)
     trainers = spawn_trainers(sft.Trainer, world_size, pg, args, model_path, num_gpus=0)
     losses = []
     for step in range(steps):
         batch = sequences[step * 8 : (step + 1) * 8]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)
-        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch)
-        out = call(trainers, "train_step", num_tokens, step, per_rank=shares)
+        shares = split_for_ranks(batch, world_size // sp_size, args.max_tokens_per_micro_batch)
+        out = call(trainers, "train_step", num_tokens, step, per_rank=[shares[r // sp_size] for r in range(world_size)])
         losses.append(sum(o["loss_sum"] for o in out) / num_tokens)
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
@@ -86,9 +88,11 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3):
     return losses, load_file(os.path.join(out_dir, "model.safetensors"))
 
 
-def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path):
+@pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
+def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path, sp_size):
+    # dp2: FSDP2 data parallel over 2 ranks; sp2: both ranks split every row with ring attention (--sp-size 2)
     losses1, weights1 = train_with_ranks(1, tiny_model, tokenizer, tmp_path / "one")
-    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two")
+    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size)
     assert losses1[-1] < losses1[0]  # it learns (lr 1e-3 on a tiny model)
     assert losses1 == pytest.approx(losses2, abs=1e-4)
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))

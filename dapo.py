@@ -1,0 +1,617 @@
+"""DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al. 2025, arXiv 2503.14476).
+
+For every prompt q, sample a group of G responses o_1..o_G from the current policy, score them with a rule
+verifier, and use the group itself as the baseline (no value network):
+    Â_i = (r_i - mean(r_1..r_G)) / std(r_1..r_G)                       same advantage for every token of o_i
+    J(θ) = 1/Σ_i|o_i| Σ_i Σ_t min(ρ_it Â_i, clip(ρ_it, 1-ε_low, 1+ε_high) Â_i),  groups of unequal r_i
+    ρ_it = π_θ(o_it | q, o_i,<t) / π_θold(o_it | q, o_i,<t)
+Responses are sampled by vLLM engines (Ray actors) whose numerics differ slightly from the trainer's; truncated
+importance sampling (TIS, Yao et al. 2025) reweights each token by min(π_θold / π_vllm, C). After every step
+the trainers push their weights to the engines through vLLM's weight-transfer API.
+
+Run it:
+    python dapo.py                                                 # built-in model and arithmetic task, CPU/GPU
+    python dapo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k:main --eval-dataset openai/gsm8k:main \\
+        --max-response-length 512 --prompts-per-step 64 --colocate       # 1 GPU: trainer and vLLM share it
+    python dapo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main --num-trainers 4 \\
+        --num-engines 4 --max-response-length 1024 --prompts-per-step 128   # 8 GPUs: 4 train, 4 generate
+"""
+
+import math
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial  # DAPO (dynamic-sampling): rollout(step, k) for round k
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
+from common.engines import spawn_engines
+from common.model import BUILTIN_MODEL, resolve_model
+from common.placement import (
+    call,
+    check_devices,
+    init_distributed,
+    init_ray,
+    make_placement_group,
+    rendezvous_address,
+    spawn_trainers,
+    wait_all,
+)
+from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
+from common.tracking import Run, find_checkpoint, save_hf_folder
+from common.weight_sync import choose_backend, init_weight_sync
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
+    seed: int = 1
+    """seed of model init, data order and sampling"""
+    track: bool = False
+    """log metrics to Weights & Biases"""
+    wandb_project: str = "posttrain"
+    """the wandb project"""
+    output_dir: str = "runs"
+    """folder for run directories"""
+    resume: str | None = None
+    """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
+    save_every: int = 0
+    """save a resumable checkpoint every N steps (0: only the final model)"""
+    eval_every: int = 10
+    """evaluate every N steps, and before the first and after the last"""
+
+    # Model and data
+    model: str = BUILTIN_MODEL
+    """HF hub id, local HF folder, or the built-in offline model"""
+    dataset: str = "data/arithmetic/prompts_train.jsonl"
+    """prompts: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`answer` or `question`+`answer`"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a hub id"""
+    eval_dataset: str = "data/arithmetic/prompts_test.jsonl"
+    """held-out prompts for greedy accuracy ("" to skip)"""
+    eval_split: str = "test"
+    """split to read when --eval-dataset is a hub id"""
+    reward_fn: str | None = None
+    """your own reward, `path/to/file.py:function`, called as function(response: str, answer: str) -> float"""
+    max_prompt_length: int = 256
+    """longest prompt in tokens"""
+    max_response_length: int = 24
+    """longest response in tokens (generation stops there)"""
+    drop_long: bool = False
+    """drop prompts longer than --max-prompt-length instead of stopping with an error"""
+
+    # Resources
+    num_trainers: int = 1
+    """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    sp_size: int = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers = data-parallel x sp-size)"""
+    num_engines: int = 1
+    """vLLM engines (Ray actors) generating rollouts"""
+    engine_tp: int = 1
+    """tensor-parallel GPUs per engine"""
+    colocate: bool = False
+    """GPU only: trainer rank i and engine i share GPU i; vLLM sleeps while the trainers train"""
+    engine_memory: float | None = None
+    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache (default 1)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, ~30% more compute"""
+
+    # Algorithm
+    num_generations: int = 8
+    """G: responses sampled per prompt (the group)"""
+    temperature: float = 1.0
+    """sampling temperature; the trainer scores tokens at the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    clip_eps_low: float = 0.2  # DAPO (clip-higher): ε_high > ε_low lets rare tokens grow (vs entropy collapse, §3.1)
+    """ε_low: the ratio π_θ / π_θold is clipped below at 1 - ε_low"""
+    clip_eps_high: float = 0.28
+    """ε_high: the ratio π_θ / π_θold is clipped above at 1 + ε_high"""
+    # DAPO (no-kl): no β and no reference model: the policy is meant to move far from the start model (§2.3)
+    tis_cap: float = 2.0
+    """C: cap of the truncated importance weight π_θold / π_vllm"""
+    num_minibatches: int = 1
+    """optimizer steps per rollout batch (the batch is split into this many minibatches)"""
+    num_epochs: int = 1
+    """μ: passes over each rollout batch"""
+    max_sampling_rounds: int = 3  # DAPO (dynamic-sampling): the cap on sampling rounds per step (§3.2)
+    """most rounds of --prompts-per-step fresh prompts x G per step, to fill the batch with groups of unequal rewards"""
+    overlong_buffer: int = 6  # DAPO (overlong-punishment): L_cache of the soft overlong punishment (§3.4)
+    """L_cache: reward penalty from 0 at --max-response-length minus L_cache tokens down to -1 at the limit (0: off)"""
+
+    # Optimization
+    num_steps: int = 20
+    """rollout + training steps"""
+    prompts_per_step: int = 6
+    """prompts per rollout batch (each sampled G times)"""
+    max_tokens_per_micro_batch: int = 512
+    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
+    learning_rate: float = 2e-5
+    """peak learning rate of AdamW"""
+    warmup_steps: int = 2
+    """linear warm-up steps, then cosine decay"""
+    min_lr_ratio: float = 0.1
+    """the cosine decays to learning_rate * min_lr_ratio"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+
+
+# ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
+def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Load a causal LM and shard it with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+
+    Master weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    """
+    use_flash = device.type == "cuda" and _has_flash_attn()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="flash_attention_2" if use_flash else "sdpa"
+    ).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    return model
+
+
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
+    """log π(label_t | tokens ≤ t) / temperature-scaled, for every position t where mask is 1.
+
+    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
+    positions go through the LM head, which saves the (T, vocab) logits of prompt tokens. Returns (N,).
+    """
+    keep = mask[0].nonzero().squeeze(-1)  # (N,)
+    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    logits = out.logits[0].float() / temperature  # (N, V)
+    return -F.cross_entropy(logits, labels[0, keep], reduction="none")  # (N,)
+
+
+def reward_fn(response: str, answer: str) -> float:
+    """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
+
+    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in the response;
+    other answers (LaTeX, fractions) go through math-verify.
+    """
+    answer = answer.split("####")[-1].strip().replace(",", "")
+    if re.fullmatch(r"-?\d+", answer):
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response)
+        return float(bool(numbers) and float(numbers[-1].replace(",", "")) == int(answer))
+    from math_verify import parse, verify
+
+    return float(verify(parse(answer), parse(response)))
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages: (B*G,) rewards, grouped by prompt -> (B*G,) Â_i = (r_i - mean) / (std + eps).
+
+    A group whose rewards are all equal gets zero advantage: it carries no learning signal.
+    """
+    r = rewards.view(-1, group_size)  # (B, G)
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)).view(-1)
+
+
+def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Which groups to train on, (B,) bool. DAPO keeps only those whose rewards are not all equal."""
+    return (rewards.view(-1, group_size).diff(dim=1) != 0).any(dim=1)  # DAPO (dynamic-sampling): Â = 0, no gradient
+
+
+def sample_groups(draw, num_groups: int, group_size: int, max_rounds: int):
+    """DAPO §3.2: draw(k) -> (B groups, (B*G,) rewards) for k = 0, 1, ... until num_groups groups pass keep_groups or
+    k = max_rounds. Returns all M groups, their rewards, which to train ((M,) bool, <= num_groups) and the rounds."""
+    groups, rewards, kept = [], [], []
+    for k in range(max_rounds):
+        new_groups, new_rewards = draw(k)
+        keep = keep_groups(new_rewards, group_size)
+        keep &= keep.cumsum(0) <= num_groups - sum(int(x.sum()) for x in kept)  # a full batch takes no more
+        groups, rewards, kept = groups + new_groups, rewards + [new_rewards], kept + [keep]
+        if sum(int(x.sum()) for x in kept) == num_groups:
+            break
+    return groups, torch.cat(rewards), torch.cat(kept), k + 1
+
+
+def overlong_penalty(length: int, args: Args) -> float:
+    """DAPO §3.4 eq. 13, added to the reward: 0 up to L_max - L_cache tokens, then linearly down to -1 at L_max."""
+    L_max, L_cache = args.max_response_length, args.overlong_buffer
+    return -min(1.0, max(0.0, (length - (L_max - L_cache)) / L_cache)) if L_cache else 0.0
+
+
+def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float):
+    """Per-token clipped surrogate, negated for minimisation; all (N,). Also returns where the clip was active."""
+    ratio = torch.exp(logprobs - old_logprobs)  # ρ
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages  # DAPO (clip-higher): asymmetric
+    return -torch.min(unclipped, clipped), clipped < unclipped
+
+
+# DAPO (no-kl): grpo.py's compute_kl (k3 KL to the reference model) is gone with the KL term.
+
+
+def loss_weights(response_lengths: list[int]) -> list[list[float]]:
+    """DAPO's aggregation: every token of the minibatch weighs the same, whatever the length of its response,
+    L = 1/Σ_i|o_i| Σ_i Σ_t ℓ_it, written as one weight per token so packed micro-batches on any number of
+    ranks add up to exactly this."""
+    total = sum(response_lengths)  # DAPO (token-level-loss): long responses are not down-weighted per token (§3.3)
+    return [[1.0 / total] * length for length in response_lengths]
+
+
+def lr_at(step: int, args: Args) -> float:
+    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
+    if step < args.warmup_steps:
+        return args.learning_rate * (step + 1) / args.warmup_steps
+    progress = (step + 1 - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+
+
+def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
+
+    A pure function of the step, so --resume replays exactly the order an uninterrupted run would have seen.
+    """
+    rows = []
+    for pos in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(pos, num_rows)
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        rows.append(int(perm[i]))
+    return rows
+
+
+def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
+    """One training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
+
+    Per-token values (advantage, sampling logprob, loss weight) sit at the positions that predict response
+    tokens, so they line up with the logprobs that compute_logprobs returns for the masked positions.
+    """
+    ids = prompt + response
+    pad = [0.0] * (len(prompt) - 1)
+    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": [0] * (len(prompt) - 1) + [1] * len(response) + [0]}
+    for key, values in per_response.items():
+        seq[key] = pad + list(values) + [0.0]
+    return seq
+
+
+# TRY NOT TO MODIFY: the trainer actor (one per rank).
+@ray.remote
+class Trainer:
+    def __init__(self, args: Args, model_path: str, rank: int, world_size: int, addr: str, port: int):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.device = init_distributed(rank, world_size, addr, port)
+        torch.manual_seed(args.seed)
+        self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
+        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
+        # DAPO (no-kl): no frozen reference model
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
+        )
+
+    def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.weight_sync = init_weight_sync(
+            self.model, engines, backend, self.rank, addr, port, self.args.engine_tp, dtype
+        )
+
+    def push_weights(self):
+        self.weight_sync.send_weights()
+
+    def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
+        """num_epochs passes, one optimizer step per minibatch of micro-batches. Returns sums for the driver."""
+        args, stats = self.args, defaultdict(float)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; each token's loss is on one rank.
+        minibatches = [
+            [
+                shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+                for mb in mini
+            ]
+            for mini in minibatches
+        ]
+        micro_batches = [mb for mini in minibatches for mb in mini]
+        one_update = args.num_minibatches * args.num_epochs == 1
+        with torch.no_grad():
+            for mb in micro_batches:
+                inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature)
+                # DAPO (no-kl): no reference logprobs
+                if not one_update:  # π_θold: the policy before this step's first update
+                    mb["old_logprobs"] = compute_logprobs(self.model, *inputs)
+        self.model.train()
+        for epoch in range(args.num_epochs):
+            for mini in minibatches:
+                for i, mb in enumerate(mini):
+                    self.model.set_requires_gradient_sync(i == len(mini) - 1)
+                    m = mb["loss_mask"][0].bool()
+                    logprobs = compute_logprobs(
+                        self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature
+                    )  # (N,)
+                    # One update per rollout: this forward *is* π_θold, so the ratio is exactly 1.
+                    old_logprobs = logprobs.detach() if one_update else mb["old_logprobs"]
+                    engine_logprobs = mb["engine_logprobs"][0, m]
+                    # TIS: tokens were sampled by vLLM, not by π_θold; reweight by their capped likelihood ratio.
+                    tis = torch.exp(old_logprobs - engine_logprobs).clamp(max=args.tis_cap)
+                    pg_loss, clipped = compute_policy_loss(  # DAPO (clip-higher): ε_low and ε_high
+                        logprobs, old_logprobs, mb["advantages"][0, m], args.clip_eps_low, args.clip_eps_high
+                    )
+                    per_token = tis * pg_loss  # DAPO (no-kl): no β KL term
+                    loss = (per_token * mb["loss_weights"][0, m]).sum() * mb["loss_scale"]
+                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
+                    real = mb["loss_scale"].item()
+                    stats["loss"] += loss.item()
+                    stats["tokens"] += m.sum().item() * real
+                    stats["clipped_tokens"] += clipped.sum().item() * real
+                    stats["tis_sum"] += tis.sum().item() * real
+                    if epoch == 0 and real:  # before any update: trainer vs engine on the same weights
+                        diff = (old_logprobs - engine_logprobs).abs()
+                        stats["logprob_diff_sum"] += diff.sum().item()
+                        stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                stats["grad_norm_sum"] += grad_norm.item()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        stats["lr"] = self.optimizer.param_groups[0]["lr"]
+        return dict(stats)
+
+    def save(self, path: str, step: int, with_optimizer: bool):
+        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
+        if self.rank == 0:
+            save_hf_folder(
+                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
+            )
+        dist.barrier()
+
+    def load_optimizer(self, path: str):
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+
+
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args) -> list[list[dict]]:
+    """Split the prompts over the engines, sample n responses each; results in prompt order."""
+    k = len(engines)
+    shards = [prompts[i::k] for i in range(k)]
+    refs = [e.generate.remote(s, n, temperature, args.top_p, args.max_response_length) for e, s in zip(engines, shards)]
+    outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
+    results = [None] * len(prompts)
+    for i, out in enumerate(outs):
+        results[i::k] = out
+    return results
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    G = args.num_generations
+    if G < 2:
+        raise InputError("--num-generations must be at least 2: the group is the baseline")
+    if args.sp_size < 1 or args.num_trainers % args.sp_size:
+        raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
+    if (args.prompts_per_step * G) % (args.num_minibatches * dp_size):
+        raise InputError(
+            "--prompts-per-step x --num-generations must divide into --num-minibatches x data-parallel groups"
+        )
+    if args.colocate and (args.engine_tp != 1 or args.num_engines != args.num_trainers):
+        raise InputError(
+            "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and --num-engines = --num-trainers"
+        )
+    if args.max_tokens_per_micro_batch < args.max_prompt_length + args.max_response_length:
+        raise InputError("--max-tokens-per-micro-batch must fit one prompt + response")
+    if args.max_sampling_rounds < 1 or args.overlong_buffer < 0:  # DAPO (dynamic-sampling): check the new fields
+        raise InputError("--max-sampling-rounds must be at least 1 and --overlong-buffer at least 0")
+    resume_step, run_dir = 0, None
+    if args.resume:
+        run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
+        if resume_step >= args.num_steps:
+            raise InputError(
+                f"--resume: the checkpoint is at step {resume_step}, not before --num-steps {args.num_steps}"
+            )
+    gpus = args.num_trainers + (0 if args.colocate else args.num_engines * args.engine_tp)
+    use_gpu = check_devices(gpus)
+    if args.colocate and not use_gpu:
+        raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
+    score = load_function(args.reward_fn) if args.reward_fn else reward_fn
+    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
+    if args.eval_dataset:
+        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
+    for split, (rows, source) in datasets.items():
+        if rows and "prompt" not in rows[0] and "question" in rows[0]:  # GSM8K style: question + answer
+            rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
+        validate_rows(rows, ["prompt", "answer"], source)
+        datasets[split] = (rows, source)
+    train_rows = datasets["train"][0]
+    try:  # a reward function that crashes should do so now, not after the first rollout
+        for probe in ("", str(train_rows[0]["answer"])):
+            float(score(probe, str(train_rows[0]["answer"])))
+    except Exception as e:
+        raise InputError(f"the reward function failed on a test call: {type(e).__name__}: {e}") from None
+    model_path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = {}
+    for split, (rows, source) in datasets.items():
+        ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+        too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
+        if too_long and not args.drop_long:
+            raise InputError(
+                f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
+                f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
+            )
+        prompts[split] = [
+            (p, str(r["answer"]), r["prompt"]) for p, r in zip(ids, rows) if len(p) <= args.max_prompt_length
+        ]
+
+    # ---- start Ray, place trainers and engines, connect them for weight sync ----
+    init_ray(use_gpu, args.num_trainers + args.num_engines)
+    bundles = [1] * args.num_trainers + ([] if args.colocate else [args.engine_tp] * args.num_engines)
+    pg = make_placement_group(bundles, use_gpu)
+    start_from = resume_ckpt if args.resume else model_path
+    trainers = spawn_trainers(
+        Trainer, args.num_trainers, pg, args, start_from, num_gpus=0.5 if args.colocate else int(use_gpu)
+    )
+    memory = args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0)
+    first_engine_bundle = 0 if args.colocate else args.num_trainers
+    max_len = args.max_prompt_length + args.max_response_length
+    engines = spawn_engines(
+        args.num_engines, pg, first_engine_bundle, args.engine_tp, start_from, args.seed, choose_backend(use_gpu, args.colocate),
+        max_len, memory, args.colocate, use_gpu,
+    )  # fmt: skip
+    addr, port = rendezvous_address(pg, 0)
+    call(trainers, "init_weight_sync", engines, choose_backend(use_gpu, args.colocate), addr, port)
+    if args.resume:
+        call(trainers, "load_optimizer", resume_ckpt)
+    run = Run(args, run_dir, resume_step)
+    run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  G: {G}")
+
+    def evaluate(step: int) -> dict:
+        if "eval" not in prompts:
+            return {}
+        outs = generate(engines, [p for p, _, _ in prompts["eval"]], 1, 0.0, args)  # greedy
+        responses = [tokenizer.decode(o[0]["token_ids"], skip_special_tokens=True) for o in outs]
+        rewards = [score(resp, answer) for resp, (_, answer, _) in zip(responses, prompts["eval"])]
+        return {"eval/accuracy": sum(rewards) / len(rewards)}
+
+    def rollout(step: int, k: int) -> tuple[list, torch.Tensor]:  # DAPO (dynamic-sampling): fresh prompts per round
+        rows = batch_rows(step * args.max_sampling_rounds + k, len(train), args.prompts_per_step, args.seed)
+        batch = [train[i] for i in rows]
+        outs = generate(engines, [p for p, _, _ in batch], G, args.temperature, args)
+        texts = [[tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in group] for group in outs]
+        rewards = [
+            score(text, answer) + overlong_penalty(len(s["token_ids"]), args)
+            for (_, answer, _), group, group_texts in zip(batch, outs, texts)  # DAPO (overlong-punishment)
+            for s, text in zip(group, group_texts)
+        ]
+        return list(zip(batch, outs, texts)), torch.tensor(rewards, dtype=torch.float32)
+
+    # ---- training loop: generate -> reward -> advantages -> train -> sync ----
+    console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
+    first = evaluate(0) if resume_step == 0 else {}
+    if first:
+        run.log(0, first, console)
+    run.start_progress(args.num_steps, resume_step)
+    train = prompts["train"]
+    for step in range(resume_step, args.num_steps):
+        t0 = time.time()
+        groups, rewards, kept, rounds = sample_groups(  # DAPO (dynamic-sampling): M groups, (M*G,) rewards, (M,) kept
+            partial(rollout, step), args.prompts_per_step, G, args.max_sampling_rounds
+        )
+        batch, outs, texts = [g[0] for g in groups], [g[1] for g in groups], [t for g in groups for t in g[2]]
+        # DAPO (overlong-filtering): truncated responses are left out of the loss (their reward still counts in Â)
+        kept = kept.repeat_interleave(G) & torch.tensor([s["finish_reason"] != "length" for o in outs for s in o])
+        if not kept.any():  # DAPO (dynamic-sampling): the cap came before any trainable group: no update
+            run.log(step + 1, metrics := {"rollout/reward": rewards.mean().item(), "rollout/sampling_rounds": rounds})
+            continue
+        if args.colocate:
+            call(engines, "sleep")  # free the GPUs for training
+        t_gen = time.time()
+
+        # ALGO LOGIC: rewards and advantages, per group
+        responses = [s for group in outs for s in group]  # (B*G,) prompt-major
+        # DAPO (dynamic-sampling): texts, rewards and kept come from sample_groups
+        advantages = compute_advantages(rewards, G)
+        lengths = [len(s["token_ids"]) for s in responses]
+
+        sequences = []
+        for i in kept.nonzero().squeeze(-1).tolist():
+            s = responses[i]
+            per_token = {"advantages": [advantages[i].item()] * lengths[i], "engine_logprobs": s["logprobs"]}
+            sequences.append((batch[i // G][0], s["token_ids"], per_token))
+        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
+        minis = [[sequences[j] for j in order[k :: args.num_minibatches]] for k in range(args.num_minibatches)]
+        shares = [[] for _ in range(args.num_trainers)]  # shares[rank][minibatch] = micro-batches
+        for mini in minis:
+            weights = loss_weights([len(resp) for _, resp, _ in mini])
+            seqs = [make_sequence(p, r, loss_weights=w, **extra) for (p, r, extra), w in zip(mini, weights)]
+            micros = split_for_ranks(seqs, dp_size, args.max_tokens_per_micro_batch)
+            for rank in range(args.num_trainers):  # the SP ranks of a group get the same share
+                shares[rank].append(micros[rank // args.sp_size])
+        results = call(trainers, "train_step", step, per_rank=shares)
+        t_train = time.time()
+
+        if args.colocate:
+            call(engines, "wake_up", ["weights"])
+        call(trainers, "push_weights")
+        if args.colocate:
+            call(engines, "wake_up", ["kv_cache"])
+        t_sync = time.time()
+
+        # ---- log ----
+        r = results[0] | {k: sum(x[k] for x in results) for k in results[0] if k.endswith(("sum", "tokens", "loss"))}
+        grouped = rewards.view(-1, G)
+        num_updates = args.num_minibatches * args.num_epochs
+        train_tokens = sum(len(p) + len(resp) for p, resp, _ in sequences)
+        metrics = {
+            "rollout/reward": rewards.mean().item(),
+            "rollout/reward_std": grouped.std(dim=1).mean().item(),
+            "rollout/solved_all": (grouped.min(dim=1).values == 1).float().mean().item(),
+            "rollout/solved_none": (grouped.max(dim=1).values == 0).float().mean().item(),
+            "rollout/response_length": sum(lengths) / len(lengths),
+            "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses) / len(responses),
+            "train/loss": r["loss"] / num_updates,
+            "train/clipfrac": r["clipped_tokens"] / r["tokens"],
+            "train/tis_weight": r["tis_sum"] / r["tokens"],
+            "train/grad_norm": r["grad_norm_sum"] / num_updates,
+            "train/lr": r["lr"],
+            "train/logprob_diff_mean": r["logprob_diff_sum"] / (r["tokens"] / args.num_epochs),
+            "train/logprob_diff_max": max(x["logprob_diff_max"] for x in results),
+            "time/generate": t_gen - t0,
+            "time/train": t_train - t_gen,
+            "time/sync": t_sync - t_train,
+            "time/step": t_sync - t0,
+            "perf/generate_tokens_per_s": sum(lengths) / (t_gen - t0),
+            "perf/train_tokens_per_s": train_tokens * args.num_epochs / (t_train - t_gen),
+            "rollout/sampling_rounds": rounds,  # DAPO (dynamic-sampling): rounds used, groups trained; no train/kl
+            "rollout/kept_groups": int(kept.view(-1, G).any(dim=1).sum()),
+        }
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.num_steps:
+            metrics.update(evaluate(done))
+        run.log(done, metrics, console)
+        run.log_samples(done, [
+            {"prompt": batch[i // G][2], "response": texts[i], "answer": batch[i // G][1], "reward": rewards[i].item()}
+            for i in range(min(len(texts), 2 * G))
+        ])  # fmt: skip
+        if args.save_every and done % args.save_every == 0 and done < args.num_steps:
+            call(trainers, "save", run.checkpoint_dir(done), done, True)
+
+    # ---- teardown: final model in HF format ----
+    call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
+    if first and "eval/accuracy" in metrics:
+        run.print(
+            f"greedy accuracy on the held-out prompts: {first['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f}"
+        )
+    run.print(f"final model: {run.checkpoint_dir('final')}")
+    run.close()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,856 @@
+"""PPO for RLHF with a critic and GAE (Ouyang et al. 2022, InstructGPT, arXiv 2203.02155, §3.5; Ziegler et al.
+2019, arXiv 1909.08593; Schulman et al. 2017, arXiv 1707.06347).
+
+Sample responses from the policy π_θ, score each whole response (a rule verifier, or an rm.py reward model), and
+turn it into a per-token reward with a KL penalty to the frozen start policy π_ref (k1 estimator):
+    r_t = -β (log π_θold(o_t) - log π_ref(o_t))  +  [t = last token] · score(q, o)
+A critic V_φ (the backbone with a scalar head, read at every token) gives the baseline; GAE(γ, λ) the advantages:
+    δ_t = r_t + γ V(s_t+1) - V(s_t),   Â_t = Σ_l (γλ)^l δ_t+l,   R_t = Â_t + V(s_t),   V(s_T) = 0 after the end
+    L_π = -min(ρ_t Â_t, clip(ρ_t, 1-ε, 1+ε) Â_t)          Â whitened over the batch, ρ_t = π_θ / π_θold
+    L_V = ½ max((V_φ - R_t)², (clip(V_φ, V_old - ε_v, V_old + ε_v) - R_t)²)
+Policy trainers (with the reference) and critic trainers are separate FSDP2 actor groups; vLLM engines sample;
+after every step the policy pushes its weights to the engines. β is fixed, or adapted toward a target KL.
+
+Run it:
+    python ppo.py                                                  # built-in model and arithmetic task, CPU/GPU
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model runs/rm__1__<time>/checkpoints/final \\
+        --dataset my_prompts.jsonl --eval-dataset "" --max-response-length 512 --prompts-per-step 64
+        # 3 GPUs: policy, critic, engine (+ 1 for the reward model)
+    python ppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main --num-trainers 2 \\
+        --num-critics 2 --num-engines 4 --max-response-length 1024 --prompts-per-step 128    # 8 GPUs
+"""
+
+import json
+import math
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
+from common.engines import spawn_engines
+from common.model import BUILTIN_MODEL, resolve_model
+from common.placement import (
+    call,
+    check_devices,
+    init_distributed,
+    init_ray,
+    make_placement_group,
+    on_bundle,
+    rendezvous_address,
+    spawn_trainers,
+    wait_all,
+)
+from common.tracking import Run, find_checkpoint, save_hf_folder
+from common.weight_sync import choose_backend, init_weight_sync
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
+    seed: int = 1
+    """seed of model init, data order and sampling"""
+    track: bool = False
+    """log metrics to Weights & Biases"""
+    wandb_project: str = "posttrain"
+    """the wandb project"""
+    output_dir: str = "runs"
+    """folder for run directories"""
+    resume: str | None = None
+    """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
+    save_every: int = 0
+    """save a resumable checkpoint every N steps (0: only the final model)"""
+    eval_every: int = 10
+    """evaluate every N steps, and before the first and after the last"""
+
+    # Model and data
+    model: str = BUILTIN_MODEL
+    """HF hub id, local HF folder, or the built-in offline model"""
+    critic_model: str | None = None
+    """where the critic starts: a causal LM (a new zero scalar head) or an rm.py output (default: --model)"""
+    reward_model: str | None = None
+    """an rm.py output (sequence classifier, one label, same tokenizer) scoring responses instead of the verifier"""
+    dataset: str = "data/arithmetic/prompts_train.jsonl"
+    """prompts: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`answer` or `question`+`answer`"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a hub id"""
+    eval_dataset: str = "data/arithmetic/prompts_test.jsonl"
+    """held-out prompts for greedy accuracy with the rule verifier ("" to skip)"""
+    eval_split: str = "test"
+    """split to read when --eval-dataset is a hub id"""
+    reward_fn: str | None = None
+    """your own reward, `path/to/file.py:function`, called as function(response: str, answer: str) -> float"""
+    max_prompt_length: int = 256
+    """longest prompt in tokens"""
+    max_response_length: int = 24
+    """longest response in tokens (generation stops there)"""
+    drop_long: bool = False
+    """drop prompts longer than --max-prompt-length instead of stopping with an error"""
+
+    # Resources
+    num_trainers: int = 1
+    """FSDP2 policy trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    num_critics: int = 1
+    """FSDP2 critic ranks, a separate actor group (one GPU each on GPU)"""
+    num_engines: int = 1
+    """vLLM engines (Ray actors) generating rollouts"""
+    engine_tp: int = 1
+    """tensor-parallel GPUs per engine"""
+    colocate: bool = False
+    """GPU only: policy rank i and engine i share GPU i; vLLM sleeps while the trainers train"""
+    engine_memory: float | None = None
+    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache (default 1)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, ~30% more compute"""
+
+    # Algorithm
+    samples_per_prompt: int = 2
+    """responses sampled per prompt (PPO needs no groups; several per prompt just reuse the prompt's prefill)"""
+    temperature: float = 1.0
+    """sampling temperature; the trainer scores tokens at the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    clip_eps: float = 0.2
+    """ε: PPO clip range of the ratio π_θ / π_θold"""
+    value_clip_eps: float = 0.2
+    """ε_v: a value prediction may move at most this far from V_old before its loss is clipped"""
+    gamma: float = 1.0
+    """γ: discount per token (1: the whole response counts, as in RLHF practice)"""
+    lam: float = 0.95
+    """λ: GAE trace decay (1: Monte-Carlo returns minus V, 0: one-step TD)"""
+    kl_coef: float = 0.01
+    """β: weight of the k1 KL penalty to the frozen start policy in the per-token reward (start value if adaptive)"""
+    kl_target: float | None = None
+    """adaptive β (Ziegler et al. 2019 §2.2): target KL per response in nats (None: β stays fixed)"""
+    kl_horizon: int = 10000
+    """adaptive β: horizon in responses; β moves by at most a factor 1 ± 0.2 · responses / horizon per step"""
+    num_minibatches: int = 2
+    """optimizer steps per rollout batch and epoch, for both the policy and the critic"""
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+
+    # Optimization
+    num_steps: int = 12
+    """rollout + training steps"""
+    prompts_per_step: int = 8
+    """prompts per rollout batch (each sampled --samples-per-prompt times)"""
+    max_tokens_per_micro_batch: int = 512
+    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
+    learning_rate: float = 2e-5
+    """peak learning rate of the policy's AdamW"""
+    critic_learning_rate: float = 5e-5
+    """peak learning rate of the critic's AdamW (the new value head needs to move faster than the policy)"""
+    warmup_steps: int = 2
+    """linear warm-up steps, then cosine decay"""
+    min_lr_ratio: float = 0.1
+    """the cosine decays to learning_rate * min_lr_ratio"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+
+
+# ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
+def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Load a causal LM and shard it with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+
+    Master weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    """
+    use_flash = device.type == "cuda" and _has_flash_attn()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="flash_attention_2" if use_flash else "sdpa"
+    ).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    return model
+
+
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
+    """log π(label_t | tokens ≤ t) / temperature-scaled, for every position t where mask is 1.
+
+    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
+    positions go through the LM head, which saves the (T, vocab) logits of prompt tokens. Returns (N,).
+    """
+    keep = mask[0].nonzero().squeeze(-1)  # (N,)
+    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    logits = out.logits[0].float() / temperature  # (N, V)
+    return -F.cross_entropy(logits, labels[0, keep], reduction="none")  # (N,)
+
+
+def reward_fn(response: str, answer: str) -> float:
+    """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
+
+    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in the response;
+    other answers (LaTeX, fractions) go through math-verify.
+    """
+    answer = answer.split("####")[-1].strip().replace(",", "")
+    if re.fullmatch(r"-?\d+", answer):
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response)
+        return float(bool(numbers) and float(numbers[-1].replace(",", "")) == int(answer))
+    from math_verify import parse, verify
+
+    return float(verify(parse(answer), parse(response)))
+
+
+# ALGO LOGIC: the critic, the per-token reward, GAE, whitening, the two losses and the adaptive β.
+def load_critic(path: str, device: torch.device, gradient_checkpointing: bool, pad_token_id: int):
+    """V_φ: a sequence classifier with one label (rm.py's class) whose scalar head we read at every token.
+
+    From a causal LM the head `score` is new: it starts at zero, so V = 0 and the first advantages are the
+    whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's default). Sharded like
+    load_policy.
+    """
+    use_flash = device.type == "cuda" and _has_flash_attn()
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, output_loading_info=True,
+        attn_implementation="flash_attention_2" if use_flash else "sdpa",
+    )  # fmt: skip
+    if any(k.startswith("score.") for k in info["missing_keys"]):
+        torch.nn.init.zeros_(model.score.weight)
+    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else pad_token_id
+    model = model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    return model
+
+
+def compute_values(model, input_ids, position_ids, mask) -> torch.Tensor:
+    """V_φ(s_t) at every position where mask is 1: (1, T) packed rows -> (N,).
+
+    The classifier's own output keeps one score per row; a hook catches the head's score at every position.
+    Position t holds the state before the response token it predicts, the same positions as compute_logprobs.
+    """
+    scores = []
+    hook = model.score.register_forward_hook(lambda module, inputs, out: scores.append(out))
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    finally:
+        hook.remove()
+    return scores[0][0, :, 0].float()[mask[0].bool()]  # (N,)
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float):
+    """Per-token rewards (B, T): -β k1 KL on every response token, plus the response's score on its last token.
+
+    scores (B,); logprobs, ref_logprobs, response_mask (B, T), responses left-aligned. Also returns the k1 KL.
+    """
+    kl = (logprobs - ref_logprobs) * response_mask  # k1: log π_θold - log π_ref, unbiased in expectation
+    rewards = -kl_coef * kl
+    last = response_mask.sum(dim=1).long() - 1  # (B,) index of each response's last token
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards, kl
+
+
+def compute_gae(rewards, values, response_mask, gamma: float, lam: float):
+    """Generalized advantage estimation (Schulman et al. 2016) over (B, T) left-aligned responses.
+
+    δ_t = r_t + γ V_t+1 - V_t and Â_t = δ_t + γλ Â_t+1, with V = 0 and Â = 0 past the last real token (the
+    response ended: no future reward). Returns advantages and returns R = Â + V, both (B, T), zero on padding.
+    """
+    B, T = rewards.shape
+    values = values * response_mask
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros(B)
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros(B)  # already 0 past the end
+        next_alive = response_mask[:, t + 1] if t + 1 < T else torch.zeros(B)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_alive * next_advantage
+        advantages[:, t] = next_advantage
+    advantages = advantages * response_mask
+    return advantages, (advantages + values) * response_mask
+
+
+def masked_whiten(x, mask, eps: float = 1e-8):
+    """(x - mean) / std over the masked entries of the whole batch (biased variance); 0 outside the mask."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n
+    var = ((x - mean) ** 2 * mask).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 is a perfect critic, 0 a constant one, < 0 worse."""
+    n = mask.sum()
+    var = lambda x: (((x - (x * mask).sum() / n) ** 2) * mask).sum() / n  # noqa: E731
+    return (1 - var(returns - values) / var(returns)).item() if var(returns) > 0 else float("nan")
+
+
+def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps: float):
+    """Per-token clipped surrogate, negated for minimisation; all (N,). Also returns where the clip was active."""
+    ratio = torch.exp(logprobs - old_logprobs)  # ρ
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
+    return -torch.min(unclipped, clipped), clipped < unclipped
+
+
+def compute_value_loss(values, old_values, returns, value_clip_eps: float):
+    """Per-token clipped value loss ½ max((V - R)², (V_clip - R)²), all (N,); also where the clipped term won.
+
+    V_clip = V_old + clip(V - V_old, -ε_v, ε_v): like the policy's ratio clip, a pessimistic bound that keeps
+    one rollout from moving the critic far (Schulman et al.'s baselines ppo2; OpenRLHF ValueLoss).
+    """
+    clipped_values = old_values + (values - old_values).clamp(-value_clip_eps, value_clip_eps)
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.max(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
+
+
+def update_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, num_responses: int) -> float:
+    """Ziegler et al. 2019 §2.2 adaptive β: e_t = clip(KL / KL_target - 1, -0.2, 0.2); β ← β (1 + e_t n / H).
+
+    kl: mean KL per response of this batch (nats, summed over its tokens); n: responses in the batch.
+    """
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * num_responses / horizon)
+
+
+def lr_at(step: int, args: Args, peak: float) -> float:
+    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
+    if step < args.warmup_steps:
+        return peak * (step + 1) / args.warmup_steps
+    progress = (step + 1 - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+
+
+def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
+
+    A pure function of the step, so --resume replays exactly the order an uninterrupted run would have seen.
+    """
+    rows = []
+    for pos in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(pos, num_rows)
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        rows.append(int(perm[i]))
+    return rows
+
+
+def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
+    """One training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
+
+    Per-token values (advantage, old logprob, return, loss weight) sit at the positions that predict response
+    tokens, so they line up with what compute_logprobs and compute_values return for the masked positions.
+    """
+    ids = prompt + response
+    pad = [0.0] * (len(prompt) - 1)
+    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": [0] * (len(prompt) - 1) + [1] * len(response) + [0]}
+    for key, values in per_response.items():
+        seq[key] = pad + list(values) + [0.0]
+    return seq
+
+
+def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.Tensor:
+    """(B, T) left-aligned per-token values from the actors' forward outputs, found by their `seq_id`.
+
+    results[rank][micro-batch] holds (N,) tensors over the masked positions; a sequence's tokens stay together
+    and in order inside a packed row, so each sequence's slice is its tokens in order.
+    """
+    out = torch.zeros(len(lengths), max(lengths))
+    for per_rank in results:
+        for mb in per_rank:
+            ids = mb["seq_id"].long()
+            for i in ids.unique().tolist():
+                out[i, : lengths[i]] = mb[key][ids == i]
+    return out
+
+
+# TRY NOT TO MODIFY: what the policy and critic actors share: a checkpoint of their FSDP2 model and optimizer.
+class ShardedModel:
+    def save(self, path: str, step: int, with_optimizer: bool):
+        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
+        if self.rank == 0:
+            save_hf_folder(
+                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
+            )
+        dist.barrier()
+
+    def load_optimizer(self, path: str):
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+
+
+# TRY NOT TO MODIFY: the policy trainer actor (one per rank), holding the frozen reference too.
+@ray.remote
+class Trainer(ShardedModel):
+    def __init__(self, args: Args, model_path: str, ref_path: str, rank: int, world_size: int, addr: str, port: int):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.device = init_distributed(rank, world_size, addr, port)
+        torch.manual_seed(args.seed)
+        self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
+        # π_ref is the start model, also on --resume (model_path is then the checkpoint).
+        self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False).eval().requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
+        )
+
+    def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.weight_sync = init_weight_sync(
+            self.model, engines, backend, self.rank, addr, port, self.args.engine_tp, dtype
+        )
+
+    def push_weights(self):
+        self.weight_sync.send_weights()
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[dict]) -> list[dict]:
+        """log π_θold and log π_ref of every response token, with its sequence id, for the driver's rewards."""
+        self.model.eval()
+        out = []
+        for mb in micro_batches:  # filler micro-batches (loss_scale 0) still run: FSDP's collectives need them
+            mb = {k: v.to(self.device) for k, v in mb.items()}
+            inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], self.args.temperature)
+            logprobs, ref_logprobs = compute_logprobs(self.model, *inputs), compute_logprobs(self.ref, *inputs)
+            if mb["loss_scale"].item():
+                seq_id = mb["seq_id"][0, mb["loss_mask"][0].bool()]
+                out.append({"seq_id": seq_id.cpu(), "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()})
+        return out
+
+    def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
+        """num_epochs passes, one optimizer step per minibatch of micro-batches. Returns sums for the driver."""
+        args, stats = self.args, defaultdict(float)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, args, args.learning_rate)
+        minibatches = [[{k: v.to(self.device) for k, v in mb.items()} for mb in mini] for mini in minibatches]
+        self.model.train()
+        for _ in range(args.num_epochs):
+            for mini in minibatches:
+                for i, mb in enumerate(mini):
+                    self.model.set_requires_gradient_sync(i == len(mini) - 1)
+                    m = mb["loss_mask"][0].bool()
+                    logprobs = compute_logprobs(
+                        self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature
+                    )  # (N,)
+                    old_logprobs = mb["old_logprobs"][0, m]
+                    pg_loss, clipped = compute_policy_loss(
+                        logprobs, old_logprobs, mb["advantages"][0, m], args.clip_eps
+                    )
+                    loss = (pg_loss * mb["loss_weights"][0, m]).sum() * mb["loss_scale"]
+                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
+                    real = mb["loss_scale"].item()
+                    log_ratio = (logprobs - old_logprobs).detach()
+                    stats["policy_loss"] += loss.item()
+                    stats["tokens"] += m.sum().item() * real
+                    stats["clipped_tokens"] += clipped.sum().item() * real
+                    stats["approx_kl_sum"] += (log_ratio.exp() - 1 - log_ratio).sum().item() * real  # k3(π_θold‖π_θ)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                stats["grad_norm_sum"] += grad_norm.item()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        stats["lr"] = self.optimizer.param_groups[0]["lr"]
+        return dict(stats)
+
+
+# TRY NOT TO MODIFY: the critic actor (one per rank), a separate FSDP2 group with its own optimizer.
+@ray.remote
+class Critic(ShardedModel):
+    def __init__(self, args: Args, model_path: str, rank: int, world_size: int, addr: str, port: int):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.device = init_distributed(rank, world_size, addr, port)
+        torch.manual_seed(args.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.model = load_critic(model_path, self.device, args.gradient_checkpointing, pad)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
+        )
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[dict]) -> list[dict]:
+        """V_old of every response token's state, with its sequence id, for GAE in the driver."""
+        self.model.eval()
+        out = []
+        for mb in micro_batches:
+            mb = {k: v.to(self.device) for k, v in mb.items()}
+            values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
+            if mb["loss_scale"].item():
+                out.append({"seq_id": mb["seq_id"][0, mb["loss_mask"][0].bool()].cpu(), "values": values.cpu()})
+        return out
+
+    def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
+        """Regress V_φ on the GAE returns, the same minibatches and epochs as the policy. Returns sums."""
+        args, stats = self.args, defaultdict(float)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, args, args.critic_learning_rate)
+        minibatches = [[{k: v.to(self.device) for k, v in mb.items()} for mb in mini] for mini in minibatches]
+        self.model.train()
+        for _ in range(args.num_epochs):
+            for mini in minibatches:
+                for i, mb in enumerate(mini):
+                    self.model.set_requires_gradient_sync(i == len(mini) - 1)
+                    m = mb["loss_mask"][0].bool()
+                    values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
+                    v_loss, clipped = compute_value_loss(
+                        values, mb["old_values"][0, m], mb["returns"][0, m], args.value_clip_eps
+                    )
+                    loss = (v_loss * mb["loss_weights"][0, m]).sum() * mb["loss_scale"]
+                    (loss * self.world_size).backward()
+                    stats["value_loss"] += loss.item()
+                    stats["value_clipped_tokens"] += clipped.sum().item() * mb["loss_scale"].item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                stats["critic_grad_norm_sum"] += grad_norm.item()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        return dict(stats)
+
+
+# TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's scalar head read at the last real token).
+@ray.remote
+class RewardModel:
+    def __init__(self, path: str):
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        torch.set_num_threads(os.cpu_count() or 1)  # Ray gives a num_cpus=1 actor one thread
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        self.model = self.model.to(self.device).eval()
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:
+        """r(x, y) for each prompt + response token list: right-padded batches, the head at the last real token."""
+        out = []
+        for i in range(0, len(sequences), batch_size):
+            chunk = sequences[i : i + batch_size]
+            width = max(len(s) for s in chunk)
+            ids = torch.tensor([s + [0] * (width - len(s)) for s in chunk], device=self.device)
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.device)
+            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (b, T, H)
+            last = hidden[torch.arange(len(chunk), device=self.device), mask.sum(dim=1) - 1]  # (b, H)
+            out += self.model.score(last)[:, 0].float().tolist()
+        return out
+
+
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args) -> list[list[dict]]:
+    """Split the prompts over the engines, sample n responses each; results in prompt order."""
+    k = len(engines)
+    shards = [prompts[i::k] for i in range(k)]
+    refs = [e.generate.remote(s, n, temperature, args.top_p, args.max_response_length) for e, s in zip(engines, shards)]
+    outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
+    results = [None] * len(prompts)
+    for i, out in enumerate(outs):
+        results[i::k] = out
+    return results
+
+
+def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args, parallel: bool) -> tuple:
+    """Call `method` on the policy group and the critic group, each rank with its share.
+
+    On GPU the groups hold different GPUs and run side by side; on CPU they share the cores, one after the other.
+    """
+    if not parallel:
+        return call(trainers, method, *args, per_rank=shares[0]), call(critics, method, *args, per_rank=shares[1])
+    refs = [
+        getattr(a, method).remote(s, *args)
+        for group, per in zip((trainers, critics), shares)
+        for a, s in zip(group, per)
+    ]
+    names = [f"Trainer#{i}" for i in range(len(trainers))] + [f"Critic#{i}" for i in range(len(critics))]
+    out = wait_all(refs, names, method)
+    return out[: len(trainers)], out[len(trainers) :]
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    n = args.samples_per_prompt
+    batch_size = args.prompts_per_step * n
+    if batch_size % (args.num_minibatches * max(args.num_trainers, args.num_critics)):
+        raise InputError(
+            "--prompts-per-step x --samples-per-prompt must divide into --num-minibatches x --num-trainers/--num-critics"
+        )
+    if args.colocate and (args.engine_tp != 1 or args.num_engines != args.num_trainers):
+        raise InputError(
+            "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and --num-engines = --num-trainers"
+        )
+    if args.max_tokens_per_micro_batch < args.max_prompt_length + args.max_response_length:
+        raise InputError("--max-tokens-per-micro-batch must fit one prompt + response")
+    if args.kl_target is not None and args.kl_target <= 0:
+        raise InputError("--kl-target must be positive (leave it unset for a fixed β)")
+    resume_step, run_dir = 0, None
+    if args.resume:
+        run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
+        if resume_step >= args.num_steps:
+            raise InputError(
+                f"--resume: the checkpoint is at step {resume_step}, not before --num-steps {args.num_steps}"
+            )
+        if not os.path.isfile(os.path.join(resume_ckpt, "critic", "trainer_state.pt")):
+            raise InputError(f"--resume: {resume_ckpt} has no critic/ checkpoint (not a ppo.py run?)")
+    use_reward_model = args.reward_model is not None
+    gpus = args.num_trainers + args.num_critics + int(use_reward_model)
+    gpus += 0 if args.colocate else args.num_engines * args.engine_tp
+    use_gpu = check_devices(gpus)
+    if args.colocate and not use_gpu:
+        raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
+    score = load_function(args.reward_fn) if args.reward_fn else reward_fn
+    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
+    if args.eval_dataset:
+        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
+    for split, (rows, source) in datasets.items():
+        if rows and "prompt" not in rows[0] and "question" in rows[0]:  # GSM8K style: question + answer
+            rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
+        needs_answer = split == "eval" or not use_reward_model  # a reward model needs prompts only
+        validate_rows(rows, ["prompt", "answer"] if needs_answer else ["prompt"], source)
+        datasets[split] = (rows, source)
+    train_rows = datasets["train"][0]
+    if use_reward_model:
+        reward_model_path = resolve_model(args.reward_model)
+        if AutoConfig.from_pretrained(reward_model_path).num_labels != 1:
+            raise InputError(f"--reward-model {args.reward_model}: expected one label (an rm.py output)")
+    else:
+        try:  # a reward function that crashes should do so now, not after the first rollout
+            for probe in ("", str(train_rows[0]["answer"])):
+                float(score(probe, str(train_rows[0]["answer"])))
+        except Exception as e:
+            raise InputError(f"the reward function failed on a test call: {type(e).__name__}: {e}") from None
+    model_path = resolve_model(args.model)
+    critic_path = resolve_model(args.critic_model) if args.critic_model else model_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = {}
+    for split, (rows, source) in datasets.items():
+        ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+        too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
+        if too_long and not args.drop_long:
+            raise InputError(
+                f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
+                f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
+            )
+        prompts[split] = [
+            (p, str(r.get("answer")), r["prompt"]) for p, r in zip(ids, rows) if len(p) <= args.max_prompt_length
+        ]
+
+    # ---- start Ray; place policy trainers, critics, engines and the reward model; connect weight sync ----
+    num_bundles = args.num_trainers + args.num_critics + args.num_engines + int(use_reward_model)
+    init_ray(use_gpu, num_bundles)
+    first_engine_bundle = 0 if args.colocate else args.num_trainers + args.num_critics
+    bundles = [1] * (args.num_trainers + args.num_critics)
+    bundles += ([] if args.colocate else [args.engine_tp] * args.num_engines) + [1] * int(use_reward_model)
+    pg = make_placement_group(bundles, use_gpu)
+    start_from = resume_ckpt if args.resume else model_path
+    trainers = spawn_trainers(
+        Trainer, args.num_trainers, pg, args, start_from, model_path, num_gpus=0.5 if args.colocate else int(use_gpu)
+    )
+    critics = spawn_trainers(
+        Critic, args.num_critics, pg, args, os.path.join(resume_ckpt, "critic") if args.resume else critic_path,
+        num_gpus=int(use_gpu), first_bundle=args.num_trainers,
+    )  # fmt: skip
+    reward_model = None
+    if use_reward_model:
+        reward_model = RewardModel.options(**on_bundle(pg, len(bundles) - 1, num_gpus=int(use_gpu))).remote(
+            reward_model_path
+        )
+    memory = args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0)
+    max_len = args.max_prompt_length + args.max_response_length
+    engines = spawn_engines(
+        args.num_engines, pg, first_engine_bundle, args.engine_tp, start_from, args.seed, choose_backend(use_gpu, args.colocate),
+        max_len, memory, args.colocate, use_gpu,
+    )  # fmt: skip
+    addr, port = rendezvous_address(pg, 0)
+    call(trainers, "init_weight_sync", engines, choose_backend(use_gpu, args.colocate), addr, port)
+    kl_coef = args.kl_coef
+    if args.resume:
+        call(trainers, "load_optimizer", resume_ckpt)
+        call(critics, "load_optimizer", os.path.join(resume_ckpt, "critic"))
+        with open(os.path.join(resume_ckpt, "ppo_state.json")) as f:
+            kl_coef = json.load(f)["kl_coef"]
+    run = Run(args, run_dir, resume_step)
+    reward_source = f"reward model {args.reward_model}" if use_reward_model else "rule verifier"
+    run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  reward: {reward_source}")
+
+    def evaluate(step: int) -> dict:
+        if "eval" not in prompts:
+            return {}
+        outs = generate(engines, [p for p, _, _ in prompts["eval"]], 1, 0.0, args)  # greedy
+        responses = [tokenizer.decode(o[0]["token_ids"], skip_special_tokens=True) for o in outs]
+        rewards = [score(resp, answer) for resp, (_, answer, _) in zip(responses, prompts["eval"])]
+        return {"eval/accuracy": sum(rewards) / len(rewards)}
+
+    # ---- training loop: generate -> score -> old logprobs, values -> rewards, GAE -> train both -> sync ----
+    console = ("rollout/reward", "train/policy_loss", "train/value_loss", "train/kl", "eval/accuracy", "time/step")
+    first = evaluate(0) if resume_step == 0 else {}
+    if first:
+        run.log(0, first, console)
+    run.start_progress(args.num_steps, resume_step)
+    train = prompts["train"]
+    for step in range(resume_step, args.num_steps):
+        t0 = time.time()
+        batch = [train[i] for i in batch_rows(step, len(train), args.prompts_per_step, args.seed)]
+        outs = generate(engines, [p for p, _, _ in batch], n, args.temperature, args)
+        if args.colocate:
+            call(engines, "sleep")  # free the GPUs for training
+        t_gen = time.time()
+
+        # ALGO LOGIC: one scalar score per response, from the verifier or the reward model
+        responses = [s for group in outs for s in group]  # (B,) prompt-major, B = prompts x samples_per_prompt
+        texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in responses]
+        if use_reward_model:
+            full = [batch[i // n][0] + s["token_ids"] for i, s in enumerate(responses)]
+            scores = torch.tensor(wait_all([reward_model.score.remote(full)], ["RewardModel#0"], "score")[0])
+        else:
+            scores = torch.tensor([score(text, batch[i // n][1]) for i, text in enumerate(texts)], dtype=torch.float32)
+        t_score = time.time()
+
+        # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then rewards, GAE, whitening
+        lengths = [len(s["token_ids"]) for s in responses]
+        seqs = [
+            make_sequence(batch[i // n][0], s["token_ids"], seq_id=[i] * lengths[i]) for i, s in enumerate(responses)
+        ]
+        shares = tuple(
+            split_for_ranks(seqs, k, args.max_tokens_per_micro_batch) for k in (args.num_trainers, args.num_critics)
+        )
+        policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=use_gpu)
+        logprobs, ref_logprobs = (
+            to_padded(policy_out, "logprobs", lengths),
+            to_padded(policy_out, "ref_logprobs", lengths),
+        )
+        values = to_padded(critic_out, "values", lengths)  # (B, T)
+        response_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).float()  # (B, T)
+        engine_logprobs = torch.zeros_like(logprobs)
+        for i, s in enumerate(responses):
+            engine_logprobs[i, : lengths[i]] = torch.tensor(s["logprobs"])
+        rewards, kl = compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
+        advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, response_mask)
+        t_fwd = time.time()
+
+        order = torch.randperm(len(responses), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
+        minis = [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]
+        shares = ([[] for _ in range(args.num_trainers)], [[] for _ in range(args.num_critics)])
+        for mini in minis:
+            weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any number of ranks
+            train_seqs = [
+                make_sequence(
+                    batch[i // n][0],
+                    responses[i]["token_ids"],
+                    loss_weights=[weight] * lengths[i],
+                    **{
+                        k: v[i, : lengths[i]].tolist()
+                        for k, v in (
+                            ("advantages", advantages),
+                            ("returns", returns),
+                            ("old_logprobs", logprobs),
+                            ("old_values", values),
+                        )
+                    },
+                )  # fmt: skip
+                for i in mini
+            ]
+            for group, share in zip((args.num_trainers, args.num_critics), shares):
+                for rank, micro in enumerate(split_for_ranks(train_seqs, group, args.max_tokens_per_micro_batch)):
+                    share[rank].append(micro)
+        policy_results, critic_results = call_groups(trainers, critics, "train_step", shares, step, parallel=use_gpu)
+        t_train = time.time()
+
+        if args.colocate:
+            call(engines, "wake_up", ["weights"])
+        call(trainers, "push_weights")
+        if args.colocate:
+            call(engines, "wake_up", ["kv_cache"])
+        t_sync = time.time()
+
+        # ALGO LOGIC: adapt β toward the target KL per response (Ziegler et al. 2019)
+        kl_per_response = kl.sum(dim=1).mean().item()
+        metrics = {"train/kl_coef": kl_coef}
+        if args.kl_target is not None:
+            kl_coef = update_kl_coef(kl_coef, kl_per_response, args.kl_target, args.kl_horizon, len(responses))
+
+        # ---- log ----
+        r = {
+            k: sum(x[k] for x in policy_results + critic_results if k in x)
+            for k in policy_results[0] | critic_results[0]
+        }
+        num_updates = args.num_minibatches * args.num_epochs
+        num_tokens = response_mask.sum().item()
+        train_tokens = sum(len(batch[i // n][0]) + lengths[i] for i in range(len(responses)))
+        diff = (logprobs - engine_logprobs).abs() * response_mask
+        metrics |= {
+            "rollout/reward": scores.mean().item(),
+            "rollout/reward_std": scores.std().item(),
+            "rollout/response_length": sum(lengths) / len(lengths),
+            "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses) / len(responses),
+            "rollout/value_mean": ((values * response_mask).sum() / num_tokens).item(),
+            "rollout/return_mean": ((returns * response_mask).sum() / num_tokens).item(),
+            "train/policy_loss": r["policy_loss"] / num_updates,
+            "train/value_loss": r["value_loss"] / num_updates,
+            "train/clipfrac": r["clipped_tokens"] / r["tokens"],
+            "train/value_clipfrac": r["value_clipped_tokens"] / r["tokens"],
+            "train/approx_kl": r["approx_kl_sum"] / r["tokens"],
+            "train/kl": kl_per_response,
+            "train/explained_variance": explained_variance(values, returns, response_mask),
+            "train/grad_norm": r["grad_norm_sum"] / num_updates,
+            "train/critic_grad_norm": r["critic_grad_norm_sum"] / num_updates,
+            "train/lr": policy_results[0]["lr"],
+            "train/logprob_diff_mean": diff.sum().item() / num_tokens,
+            "train/logprob_diff_max": diff.max().item(),
+            "time/generate": t_gen - t0,
+            "time/score": t_score - t_gen,
+            "time/forward": t_fwd - t_score,
+            "time/train": t_train - t_fwd,
+            "time/sync": t_sync - t_train,
+            "time/step": t_sync - t0,
+            "perf/generate_tokens_per_s": sum(lengths) / (t_gen - t0),
+            "perf/train_tokens_per_s": 2 * train_tokens * args.num_epochs / (t_train - t_fwd),  # policy + critic
+        }
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.num_steps:
+            metrics.update(evaluate(done))
+        run.log(done, metrics, console)
+        run.log_samples(done, [
+            {"prompt": batch[i // n][2], "response": texts[i], "answer": batch[i // n][1], "reward": scores[i].item()}
+            for i in range(min(len(texts), 2 * n))
+        ])  # fmt: skip
+        if args.save_every and done % args.save_every == 0 and done < args.num_steps:
+            call(trainers, "save", run.checkpoint_dir(done), done, True)
+            call(critics, "save", os.path.join(run.checkpoint_dir(done), "critic"), done, True)
+            with open(os.path.join(run.checkpoint_dir(done), "ppo_state.json"), "w") as f:
+                json.dump({"kl_coef": kl_coef}, f)
+
+    # ---- teardown: final policy in HF format ----
+    call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
+    if first and "eval/accuracy" in metrics:
+        run.print(
+            f"greedy accuracy on the held-out prompts: {first['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f}"
+        )
+    run.print(f"final model: {run.checkpoint_dir('final')}")
+    run.close()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

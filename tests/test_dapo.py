@@ -1,0 +1,184 @@
+"""dapo.py: the diff against grpo.py stays small and tagged; dynamic sampling, the asymmetric clip, token-level
+weights and the overlong penalty against hand-computed values; a 2-step end-to-end run."""
+
+import ast
+import difflib
+import os
+import random
+import re
+
+import pytest
+import torch
+from conftest import REPO, only_run_dir, read_jsonl, run_script
+
+import dapo
+
+SECTIONS = {"clip-higher", "dynamic-sampling", "token-level-loss", "overlong-filtering", "overlong-punishment", "no-kl"}
+TAG = re.compile(r"# DAPO \(([a-z-]+)\)")
+
+
+def lines(name):
+    with open(os.path.join(REPO, name)) as f:
+        return f.read().splitlines()
+
+
+def docstring_end(text_lines):
+    """Last line index (0-based) of the module docstring: the paper header, rewritten for DAPO, carries no tags."""
+    return ast.parse("\n".join(text_lines)).body[0].end_lineno - 1
+
+
+def test_diff_to_grpo_is_small_and_every_hunk_is_tagged():
+    grpo, new = lines("grpo.py"), lines("dapo.py")
+    changed = sum(
+        1 for d in difflib.unified_diff(grpo, new, lineterm="", n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")
+    )
+    assert changed <= 120, f"dapo.py changes {changed} lines of grpo.py (budget 120)"
+    assert changed > 0
+    doc_a, doc_b = docstring_end(grpo), docstring_end(new)
+    untagged = []
+    # A hunk = changes with 2 lines of context around them (as in `diff -U2`): a tag on a changed line or right
+    # beside it counts.
+    for group in difflib.SequenceMatcher(None, grpo, new, autojunk=False).get_grouped_opcodes(2):
+        edits = [op for op in group if op[0] != "equal"]
+        if all(i2 - 1 <= doc_a and j2 - 1 <= doc_b for _, _, i2, _, j2 in edits):
+            continue  # inside the module docstring
+        j1, j2 = group[0][3], group[-1][4]
+        sections = {m for line in new[j1:j2] for m in TAG.findall(line)}
+        assert sections <= SECTIONS, f"unknown DAPO section(s) {sections - SECTIONS} near dapo.py line {j1 + 1}"
+        if not sections:
+            untagged.append(j1 + 1)
+    assert not untagged, f"hunks without a `# DAPO (<section>)` tag near dapo.py lines {untagged}"
+    assert {m for line in new for m in TAG.findall(line)} == SECTIONS  # every DAPO change is there
+
+
+def test_grpo_only_fields_are_gone():
+    fields = dapo.Args.__dataclass_fields__
+    assert "kl_coef" not in fields and "clip_eps" not in fields
+    assert (fields["clip_eps_low"].default, fields["clip_eps_high"].default) == (0.2, 0.28)
+    assert not hasattr(dapo, "compute_kl")
+
+
+def test_keep_groups_drops_all_equal_groups():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, -0.25, 1.0, 1.0])  # 4 groups of 3
+    assert dapo.keep_groups(rewards, 3).tolist() == [False, True, False, True]
+
+
+def scripted_draw(rounds_of_rewards, group_size):
+    """A stand-in for vLLM + reward: round k returns the k-th list of groups (one tuple of rewards per group)."""
+    calls = []
+
+    def draw(k):
+        calls.append(k)
+        groups = rounds_of_rewards[k]
+        return [("round", k, i) for i in range(len(groups))], torch.tensor([r for g in groups for r in g])
+
+    return draw, calls
+
+
+def test_dynamic_sampling_refills_and_stops_when_full():
+    # 3 groups per round, G = 2; 2 informative groups are wanted.
+    rounds = [[(1, 1), (0, 1), (0, 0)], [(1, 1), (1, 0), (0, 1)], [(0, 1), (0, 1), (0, 1)]]
+    draw, calls = scripted_draw(rounds, 2)
+    groups, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=2, max_rounds=5)
+    assert calls == [0, 1] and used == 2  # the second round filled the batch; no third round
+    assert len(groups) == 6 and rewards.shape == (12,) and kept.shape == (6,)
+    assert kept.tolist() == [False, True, False, False, True, False]  # the 3rd informative group is not needed
+    assert [groups[i] for i in kept.nonzero().squeeze(-1).tolist()] == [("round", 0, 1), ("round", 1, 1)]
+
+
+def test_dynamic_sampling_stops_at_the_cap():
+    rounds = [[(1, 1), (0, 0)], [(0, 0), (1, 0)], [(1, 1), (1, 1)], [(0, 1), (0, 1)]]
+    draw, calls = scripted_draw(rounds, 2)
+    groups, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=2, max_rounds=3)
+    assert calls == [0, 1, 2] and used == 3  # the cap, although the 4th round would have filled the batch
+    assert kept.tolist() == [False, False, False, True, False, False]  # train on what was collected: 1 group
+    draw, calls = scripted_draw([[(1, 1)]] * 4, 2)
+    _, _, kept, used = dapo.sample_groups(draw, num_groups=1, group_size=2, max_rounds=4)
+    assert calls == [0, 1, 2, 3] and used == 4 and not kept.any()  # nothing informative: nothing to train
+
+
+def test_dynamic_sampling_never_keeps_an_all_equal_group():
+    rng = random.Random(0)
+    for _ in range(200):
+        G, want, cap = rng.choice([2, 4, 8]), rng.randint(1, 6), rng.randint(1, 4)
+        rounds = [[tuple(rng.choice([0.0, 1.0]) if rng.random() < 0.5 else 1.0 for _ in range(G)) for _ in range(6)]
+                  for _ in range(cap)]  # fmt: skip
+        draw, calls = scripted_draw(rounds, G)
+        groups, rewards, kept, used = dapo.sample_groups(draw, want, G, cap)
+        grouped = rewards.view(-1, G)
+        assert used == len(calls) <= cap and len(groups) == len(kept) == grouped.shape[0]
+        assert kept.sum() <= want
+        for g in kept.nonzero().squeeze(-1).tolist():
+            assert grouped[g].max() > grouped[g].min()  # never an all-equal group
+        informative = int((grouped.max(dim=1).values > grouped.min(dim=1).values).sum())
+        assert kept.sum() == min(want, informative)  # every informative group is used until the batch is full
+        assert (used == cap) or kept.sum() == want  # it stops early only with a full batch
+
+
+def test_asymmetric_clip_by_hand():
+    old = torch.zeros(6)
+    ratios = torch.tensor([1.3, 1.25, 1.1, 0.7, 0.75, 0.85])
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
+    loss, clipped = dapo.compute_policy_loss(torch.log(ratios), old, adv, clip_eps_low=0.2, clip_eps_high=0.28)
+    # A>0: min(ρ, clip(ρ, 0.8, 1.28)) -> 1.28 (clipped above at 1 + ε_high), 1.25 and 1.1 (inside the range;
+    # a symmetric ε = 0.2 would have clipped 1.25 to 1.2). A<0: min(-ρ, -clip(ρ)) -> -0.8 (clipped below at
+    # 1 - ε_low), -0.8 (0.75 -> 0.8), -0.85 (inside).
+    torch.testing.assert_close(loss, torch.tensor([-1.28, -1.25, -1.1, 0.8, 0.8, 0.85]))
+    assert clipped.tolist() == [True, False, False, True, True, False]
+
+
+def test_token_level_weights_by_hand():
+    w = dapo.loss_weights([2, 4])  # every token of the minibatch weighs 1/6
+    assert w == [[1 / 6] * 2, [1 / 6] * 4]
+    per_token = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 6.0])
+    total = (per_token * torch.tensor([x for row in w for x in row])).sum()
+    assert total.item() == pytest.approx(16 / 6)  # GRPO's per-response mean would give 0.5 * 2 + 0.5 * 3 = 2.5
+
+
+def test_overlong_penalty_by_hand():
+    args = dapo.Args(max_response_length=24, overlong_buffer=6)  # no penalty up to 18 tokens, -1 at 24
+    got = [dapo.overlong_penalty(n, args) for n in (5, 18, 19, 21, 24)]
+    assert got == pytest.approx([0.0, 0.0, -1 / 6, -0.5, -1.0])
+    assert dapo.overlong_penalty(24, dapo.Args(overlong_buffer=0)) == 0.0
+
+
+@pytest.fixture(scope="module")
+def eager_model(tmp_path_factory, tiny_model_untied):
+    """The untied tiny model with a large LM-head row for EOS, so responses end at different lengths (a random
+    model almost never samples EOS, and truncated responses are left out of DAPO's loss)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("eager") / "model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_untied)
+    with torch.no_grad():
+        model.lm_head.weight[model.config.eos_token_id] *= 100
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_untied).save_pretrained(path)
+    return path
+
+
+def test_dapo_two_steps_end_to_end(eager_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    reward = tmp_path / "parity.py"  # mixed rewards from a random model: the parity of the response's length
+    reward.write_text("def reward(response, answer):\n    return float(len(response) % 2)\n")
+    out = tmp_path / "runs"
+    result = run_script(
+        "dapo.py", "--model", eager_model, "--output-dir", str(out), "--num-steps", "2", "--num-generations", "4",
+        "--prompts-per-step", "2", "--max-response-length", "8", "--overlong-buffer", "4", "--max-sampling-rounds", "2",
+        "--engine-memory", "0.25", "--learning-rate", "1e-3", "--reward-fn", f"{reward}:reward",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0]
+    for r in rows[1:]:
+        assert 1 <= r["rollout/sampling_rounds"] <= 2
+    trained = [r for r in rows[1:] if "train/loss" in r]
+    assert trained, "no step had a group with mixed rewards"
+    assert all(1 <= r["rollout/kept_groups"] <= 2 for r in trained)
+    assert not any(k.startswith("train/kl") for r in rows for k in r)
+    final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "final"))
+    start = AutoModelForCausalLM.from_pretrained(eager_model)
+    moved = max((a - b).abs().max().item() for a, b in zip(final.parameters(), start.parameters()))
+    assert moved > 1e-5  # the trained groups changed the weights

@@ -1,0 +1,151 @@
+"""ppo.py: GAE against a plain per-token loop, the per-token reward, value clipping, whitening, the adaptive β and
+the critic's head, by hand; end-to-end runs with the rule verifier and with a reward model."""
+
+import math
+import os
+
+import pytest
+import torch
+from conftest import only_run_dir, read_jsonl, run_script
+
+import ppo
+
+
+def gae_reference(rewards: list[float], values: list[float], gamma: float, lam: float):
+    """The textbook loop over one response of length L: V after the last token is 0."""
+    L, gae, advantages = len(rewards), 0.0, [0.0] * len(rewards)
+    for t in reversed(range(L)):
+        next_value = values[t + 1] if t + 1 < L else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        gae = delta + gamma * lam * gae
+        advantages[t] = gae
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_plain_loop(gamma, lam):
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 1, 4, 7, 2]
+    B, T = len(lengths), max(lengths)
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).float()
+    scores = torch.randn(B, generator=g)
+    logprobs, ref_logprobs = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    rewards, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
+    values = torch.randn(B, T, generator=g)
+    garbage = torch.randn(B, T, generator=g) * 100 * (1 - mask)  # padding must not leak into real tokens
+    advantages, returns = ppo.compute_gae(rewards + garbage, values + garbage, mask, gamma, lam)
+    for i, n in enumerate(lengths):
+        r = [-0.1 * (logprobs[i, t] - ref_logprobs[i, t]).item() for t in range(n)]
+        r[-1] += scores[i].item()  # the terminal reward sits on the last real token
+        torch.testing.assert_close(rewards[i, :n], torch.tensor(r))
+        want_adv, want_ret = gae_reference(r, values[i, :n].tolist(), gamma, lam)
+        torch.testing.assert_close(advantages[i, :n], torch.tensor(want_adv))
+        torch.testing.assert_close(returns[i, :n], torch.tensor(want_ret))
+        assert torch.equal(advantages[i, n:], torch.zeros(T - n)) and torch.equal(returns[i, n:], torch.zeros(T - n))
+
+
+def test_gae_by_hand():
+    # one response of 2 tokens, γ = 0.5, λ = 0.5: δ_1 = 1 - 0.2 = 0.8, δ_0 = 0 + 0.5 * 0.2 - 0.1 = 0
+    rewards, values, mask = (
+        torch.tensor([[0.0, 1.0, 0.0]]),
+        torch.tensor([[0.1, 0.2, 9.0]]),
+        torch.tensor([[1.0, 1, 0]]),
+    )
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    torch.testing.assert_close(advantages, torch.tensor([[0.0 + 0.25 * 0.8, 0.8, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.3, 1.0, 0.0]]))
+
+
+def test_value_clipping_by_hand():
+    old = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    values = torch.tensor([0.5, 0.1, 0.5, 1.5])
+    returns = torch.tensor([1.0, 1.0, 0.0, 2.0])
+    loss, clipped = ppo.compute_value_loss(values, old, returns, value_clip_eps=0.2)
+    # clipped values: 0.2, 0.1, 0.8, 1.2; squared errors unclipped 0.25, 0.81, 0.25, 0.25; clipped 0.64, 0.81, 0.64, 0.64
+    torch.testing.assert_close(loss, 0.5 * torch.tensor([0.64, 0.81, 0.64, 0.64]))
+    assert clipped.tolist() == [True, False, True, True]
+    # moving toward the return inside the clip range: the plain loss
+    loss, clipped = ppo.compute_value_loss(torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([0.0]), 0.2)
+    torch.testing.assert_close(loss, torch.tensor([0.405]))
+    assert not clipped.item()
+
+
+def test_whitening_by_hand():
+    x = torch.tensor([[1.0, 3.0, 100.0], [5.0, -50.0, 7.0]])
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 1]])
+    # real entries 1, 3, 5, 7: mean 4, biased variance (9 + 1 + 1 + 9) / 4 = 5
+    want = torch.tensor([[-3.0, -1.0, 0.0], [1.0, 0.0, 3.0]]) / math.sqrt(5)
+    torch.testing.assert_close(ppo.masked_whiten(x, mask), want)
+    ev = ppo.explained_variance(torch.tensor([[1.0, 3.0, 0], [5.0, 0, 7.0]]), x, mask)
+    assert ev == pytest.approx(1.0)
+
+
+def test_adaptive_kl_controller_by_hand():
+    # KL 3 vs target 2: error clipped to +0.2; β ← 0.1 (1 + 0.2 * 100 / 1000) = 0.102
+    assert ppo.update_kl_coef(0.1, kl=3.0, target=2.0, horizon=1000, num_responses=100) == pytest.approx(0.102)
+    # KL 1.8 vs target 2: error -0.1; β ← 0.1 (1 - 0.1 * 50 / 100) = 0.095
+    assert ppo.update_kl_coef(0.1, kl=1.8, target=2.0, horizon=100, num_responses=50) == pytest.approx(0.095)
+    assert ppo.update_kl_coef(0.1, kl=0.0, target=2.0, horizon=10, num_responses=10) == pytest.approx(0.08)
+
+
+def test_critic_starts_at_zero_and_reads_every_token(tiny_model):
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)  # for fully_shard
+    critic = ppo.load_critic(tiny_model, torch.device("cpu"), False, pad_token_id=0)
+    seq = ppo.make_sequence([5, 6, 7], [8, 9], seq_id=[3, 3])
+    ids, mask = torch.tensor([seq["input_ids"]]), torch.tensor([seq["loss_mask"]])
+    values = ppo.compute_values(critic, ids, torch.arange(5)[None], mask)
+    assert values.shape == (2,) and torch.equal(values, torch.zeros(2))  # a new head starts at V = 0
+    with torch.no_grad():
+        critic.score.weight.normal_()
+    values = ppo.compute_values(critic, ids, torch.arange(5)[None], mask)
+    assert values.abs().min() > 0 and values[0] != values[1]
+    dist.destroy_process_group()
+
+
+def ppo_args(model, out, *extra):
+    return ("--model", model, "--output-dir", str(out), "--samples-per-prompt", "2", "--prompts-per-step", "4",
+            "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
+
+
+def test_ppo_end_to_end_with_verifier(tiny_model, tmp_path):
+    extra = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16")
+    result = run_script("ppo.py", *ppo_args(tiny_model, tmp_path, *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path)
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    for key in ("train/policy_loss", "train/value_loss", "train/clipfrac", "train/approx_kl", "train/kl",
+                "train/explained_variance", "rollout/reward", "time/step", "perf/train_tokens_per_s"):  # fmt: skip
+        assert key in rows[1] and key in rows[2], key
+    assert rows[2]["train/logprob_diff_max"] < 1e-3  # step 2 sampled from the weights pushed after step 1
+    assert rows[1]["train/kl"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the reference
+    assert rows[1]["train/kl_coef"] == 0.01 and rows[2]["train/kl_coef"] == pytest.approx(0.01 * (1 - 0.2 * 8 / 16))
+    assert read_jsonl(os.path.join(run_dir, "samples.jsonl"))
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "config.json"))
+
+
+def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    rm_dir = tmp_path / "rm"
+    LlamaForSequenceClassification(config).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    out = tmp_path / "runs"
+    result = run_script("ppo.py", *ppo_args(tiny_model, out, "--num-steps", "1", "--reward-model", str(rm_dir)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(os.path.join(only_run_dir(out), "metrics.jsonl"))
+    # a random reward model gives real-valued scores, not the verifier's 0/1
+    samples = read_jsonl(os.path.join(only_run_dir(out), "samples.jsonl"))
+    assert any(s["reward"] not in (0.0, 1.0) for s in samples) and rows[-1]["step"] == 1

@@ -1,0 +1,163 @@
+"""Ring attention (common/ring_attn.py) against full causal attention, on CPU ranks joined by gloo.
+
+Every test spawns real processes (torch.multiprocessing, no Ray); each rank computes the reference itself on
+the whole row and checks its own shard of the ring's result against it.
+"""
+
+import os
+import socket
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import REPO
+
+from common.ring_attn import (
+    enable_ring_attention,
+    ring_attention_forward,
+    shard_micro_batch,
+    sp_groups,
+    zigzag_indices,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args):
+    sys.path.insert(0, REPO)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world, *args):
+    mp.spawn(_worker, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+def reference_attention(q, k, v, position_ids):
+    """Plain masked softmax in float64: causal, and no attention across packed sequences."""
+    T, rep = q.shape[1], q.shape[0] // k.shape[0]
+    seq = (position_ids == 0).cumsum(0)  # which packed sequence each token is in
+    allowed = torch.ones(T, T, dtype=torch.bool).tril() & (seq[:, None] == seq[None, :])
+    k, v = k.repeat_interleave(rep, 0).double(), v.repeat_interleave(rep, 0).double()
+    s = (q.double() @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v  # (H, T, D)
+
+
+def _check_ring_attention(rank, world, lengths_cases):
+    sp = sp_groups(world, world)
+    assert (sp.rank, sp.size, sp.dp_rank, sp.dp_size) == (rank, world, 0, 1)
+    module = SimpleNamespace(sp_group=sp.group)
+    for lengths in lengths_cases:
+        gen = torch.Generator().manual_seed(sum(lengths))
+        T, H, Hkv, D = sum(lengths), 4, 2, 8  # GQA: 2 query heads per K/V head
+        position_ids = torch.cat([torch.arange(n) for n in lengths])
+        q, k, v = (torch.randn(h, T, D, generator=gen) for h in (H, Hkv, Hkv))
+        w = torch.randn(H, T, D, generator=gen)  # loss = sum(w * out): a dense upstream gradient
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        ref = reference_attention(q, k, v, position_ids)
+        (ref * w.double()).sum().backward()
+        ref_grads = [x.grad for x in (q, k, v)]
+
+        # Shard the row the way a trainer does: per-token tensors in, this rank's zigzag share out.
+        local = shard_micro_batch({"input_ids": torch.arange(T)[None], "position_ids": position_ids[None]}, rank, world)
+        pad = -T % (2 * world)
+        idx = zigzag_indices(T + pad, rank, world)
+        assert torch.equal(local["input_ids"][0], torch.where(idx < T, idx, 0))
+        real = idx < T  # the padding is a sequence of its own at the end of the row
+        padded = [torch.cat([x.detach(), torch.randn(x.shape[0], pad, D, generator=gen)], 1) for x in (q, k, v)]
+        lq, lk, lv = (x[:, idx].clone().requires_grad_() for x in padded)
+        out, _ = ring_attention_forward(module, lq[None], lk[None], lv[None], None, position_ids=local["position_ids"])
+        out = out[0].transpose(0, 1)  # (H, T_local, D)
+        lw = torch.cat([w, torch.zeros(H, pad, D)], 1)[:, idx]
+        (out * lw).sum().backward()
+        where = f"rank {rank}/{world}, lengths {lengths}"
+        torch.testing.assert_close(out[:, real], ref[:, idx[real]].float(), atol=1e-5, rtol=0, msg=where)
+        for name, g, ref_g in zip("qkv", (lq.grad, lk.grad, lv.grad), ref_grads):
+            torch.testing.assert_close(g[:, real], ref_g[:, idx[real]], atol=1e-5, rtol=0, msg=f"d{name}: {where}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_full_attention(world):
+    # one uneven sequence (padded to a multiple of 2k), then several packed into one row, one of length 1,
+    # one spanning several zigzag chunks
+    spawn(_check_ring_attention, world, [[29], [5, 11, 1, 20], [3, 3, 2]])
+
+
+def test_shard_micro_batch_zigzag_layout():
+    mb = {"input_ids": torch.arange(10)[None], "position_ids": torch.arange(10)[None], "loss_scale": torch.tensor(1.0)}
+    shards = [shard_micro_batch(mb, r, 2) for r in range(2)]  # 10 tokens -> 12 = 4 chunks of 3
+    assert shards[0]["input_ids"].tolist() == [[0, 1, 2, 9, 0, 0]]
+    assert shards[1]["input_ids"].tolist() == [[3, 4, 5, 6, 7, 8]]
+    assert shards[0]["position_ids"].tolist() == [[0, 1, 2, 9, 0, 1]]  # the padding starts a new sequence
+    assert shards[0]["loss_scale"] is mb["loss_scale"]
+    assert shard_micro_batch(mb, 0, 1) is mb
+
+
+def _train_step(model, micro_batches, num_tokens, world, sp):
+    """sft.py's train_step loss, with the SP sharding the scripts add; returns this rank's loss sum."""
+    from sft import compute_logprobs
+
+    loss_sum = 0.0
+    for i, mb in enumerate(micro_batches):
+        mb = shard_micro_batch(mb, sp.rank, sp.size)
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        logprobs = compute_logprobs(model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+        loss = -logprobs.sum() * mb["loss_scale"]
+        (loss * world / num_tokens).backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def _check_training_step(rank, world, model_path, sp_size):
+    from common.data import split_for_ranks
+    from sft import load_policy
+
+    gen = torch.Generator().manual_seed(0)
+    batch = []
+    for n in (40, 23, 9, 17, 31, 6):
+        ids = torch.randint(0, 1000, (n,), generator=gen).tolist()
+        mask = [0] * (n // 3) + [1] * (n - n // 3)
+        batch.append({"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask[1:] + [0]})
+    batch.append({"input_ids": [5, 6, 7, 8, 9], "labels": [6, 7, 8, 9, 0], "loss_mask": [1, 1, 0, 0, 0]})
+    num_tokens = sum(sum(s["loss_mask"]) for s in batch)
+    results = {}
+    for size in (1, sp_size):
+        torch.manual_seed(0)
+        model = load_policy(model_path, torch.device("cpu"), gradient_checkpointing=size > 1)
+        sp = sp_groups(world, size)
+        if size > 1:
+            enable_ring_attention(model, sp.group)
+            assert model.config._attn_implementation == "ring_attention"
+        shares = split_for_ranks(batch, sp.dp_size, 64)  # the driver splits over DP groups only
+        loss = torch.tensor(_train_step(model, shares[sp.dp_rank], num_tokens, world, sp))
+        dist.all_reduce(loss)  # the driver sums every rank's loss_sum
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt.step()
+        results[size] = (loss / num_tokens, grads, [p.full_tensor().detach() for p in model.parameters()])
+    (loss1, grads1, weights1), (loss_sp, grads_sp, weights_sp) = results[1], results[sp_size]
+    grad_diff = max((a - b).abs().max().item() for a, b in zip(grads_sp, grads1))
+    weight_diff = max((a - b).abs().max().item() for a, b in zip(weights_sp, weights1))
+    print(f"rank {rank}: loss {loss1:.6f} vs {loss_sp:.6f}, max |dgrad| {grad_diff:.1e}, max |dw| {weight_diff:.1e}")
+    torch.testing.assert_close(loss_sp, loss1, atol=1e-4, rtol=0)
+    assert grad_diff < 1e-4 and weight_diff < 1e-4
+    assert max(g.abs().max().item() for g in grads1) > 1e-3  # the comparison is not between zeros
+
+
+@pytest.mark.parametrize("world,sp_size", [(2, 2), (4, 2)])
+def test_training_step_with_sp_equals_without(tiny_model, world, sp_size):
+    # (4, 2): a 2 x 2 DP x SP mesh, compared with 4-way DP; gradient checkpointing re-runs the ring in backward
+    spawn(_check_training_step, world, tiny_model, sp_size)
