@@ -23,7 +23,6 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import partial  # DAPO (dynamic-sampling): rollout(step, k) for round k
 
 import ray
 import torch
@@ -137,7 +136,7 @@ class Args:
     """L_cache: reward penalty from 0 at --max-response-length minus L_cache tokens down to -1 at the limit (0: off)"""
 
     # Optimization
-    num_steps: int = 20
+    num_steps: int = 10  # DAPO (dynamic-sampling): a step samples up to 3 rounds; 10 fit grpo.py's CPU time budget
     """rollout + training steps"""
     prompts_per_step: int = 6
     """prompts per rollout batch (each sampled G times)"""
@@ -216,8 +215,7 @@ def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def sample_groups(draw, num_groups: int, group_size: int, max_rounds: int):
-    """DAPO §3.2: draw(k) -> (B groups, (B*G,) rewards) for k = 0, 1, ... until num_groups groups pass keep_groups or
-    k = max_rounds. Returns all M groups, their rewards, which to train ((M,) bool, <= num_groups) and the rounds."""
+    """DAPO §3.2: draw(k) for k = 0, 1, ... until num_groups pass keep_groups or k = max_rounds; all drawn + kept."""
     groups, rewards, kept = [], [], []
     for k in range(max_rounds):
         new_groups, new_rewards = draw(k)
@@ -361,7 +359,7 @@ class Trainer:
                     stats["tokens"] += m.sum().item() * real
                     stats["clipped_tokens"] += clipped.sum().item() * real
                     stats["tis_sum"] += tis.sum().item() * real
-                    if epoch == 0 and real:  # before any update: trainer vs engine on the same weights
+                    if epoch == 0 and real and m.any():  # before any update: trainer vs engine on the same weights
                         diff = (old_logprobs - engine_logprobs).abs()
                         stats["logprob_diff_sum"] += diff.sum().item()
                         stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
@@ -521,7 +519,7 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         groups, rewards, kept, rounds = sample_groups(  # DAPO (dynamic-sampling): M groups, (M*G,) rewards, (M,) kept
-            partial(rollout, step), args.prompts_per_step, G, args.max_sampling_rounds
+            lambda k, step=step: rollout(step, k), args.prompts_per_step, G, args.max_sampling_rounds
         )
         batch, outs, texts = [g[0] for g in groups], [g[1] for g in groups], [t for g in groups for t in g[2]]
         # DAPO (overlong-filtering): truncated responses are left out of the loss (their reward still counts in Â)

@@ -346,7 +346,7 @@ class Trainer:
                     stats["tokens"] += m.sum().item() * real
                     stats["clipped_tokens"] += clipped.sum().item() * real
                     stats["tis_sum"] += tis.sum().item() * real
-                    if epoch == 0 and real:  # before any update: trainer vs engine on the same weights
+                    if epoch == 0 and real and m.any():  # before any update: trainer vs engine on the same weights
                         diff = (old_logprobs - engine_logprobs).abs()
                         stats["logprob_diff_sum"] += diff.sum().item()
                         stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())

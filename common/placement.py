@@ -7,6 +7,7 @@ on CPU it is one CPU, a scheduling token: Ray lets us declare more logical CPUs 
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import ray
@@ -136,17 +137,18 @@ def call(actors: list, method: str, *args, per_rank: list | None = None, timeout
 def wait_all(refs: list, names: list[str], what: str, timeout: float | None = None) -> list:
     timeout = RPC_TIMEOUT_S if timeout is None else timeout
     pending = dict(zip(refs, names))
-    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout, fetch_local=False)
-    for ref in ready:  # surface the first failure by name
+    left, deadline = list(refs), time.monotonic() + timeout
+    while left:  # one at a time, so a failure surfaces at once even while its peers hang in a collective
+        ready, left = ray.wait(left, num_returns=1, timeout=max(0.0, deadline - time.monotonic()), fetch_local=False)
+        if not ready:
+            late = ", ".join(pending[r] for r in left)
+            raise TimeoutError(f"{late} did not finish {what} within {timeout:.0f} s")
         try:
-            ray.get(ref)
+            ray.get(ready[0])
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"{pending[ref]} died during {what}: {_first_line(e)}") from None
+            raise RuntimeError(f"{pending[ready[0]]} died during {what}: {_first_line(e)}") from None
         except ray.exceptions.RayTaskError as e:
-            raise RuntimeError(f"{pending[ref]} failed in {what}: {_first_line(e.cause or e)}") from e
-    if len(ready) < len(refs):
-        late = [pending[r] for r in refs if r not in ready]
-        raise TimeoutError(f"{', '.join(late)} did not finish {what} within {timeout:.0f} s")
+            raise RuntimeError(f"{pending[ready[0]]} failed in {what}: {_first_line(e.cause or e)}") from e
     return ray.get(refs)
 
 

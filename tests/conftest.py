@@ -85,3 +85,19 @@ def only_run_dir(output_dir):
     dirs = [os.path.join(output_dir, d) for d in os.listdir(output_dir)]
     assert len(dirs) == 1, dirs
     return dirs[0]
+
+
+@pytest.fixture(autouse=True)
+def free_ray_bundles():
+    """After each test, remove the placement groups it left behind (an assertion that fails before the test's
+    own cleanup), which also kills their actors: one failure must not starve the next tests of CPU bundles."""
+    yield
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    for pg_id, info in placement_group_table().items():
+        if info["state"] != "REMOVED":
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))

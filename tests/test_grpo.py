@@ -67,7 +67,7 @@ def ray_cpu():
     ray.shutdown()
 
 
-def rollout_batch(engines, prompts, G, args):
+def rollout_batch(engines, prompts, G, args, sp_size=1):
     outs = grpo.generate(engines, prompts, G, args.temperature, args)
     seqs = []
     for p, group in zip(prompts, outs):
@@ -79,31 +79,47 @@ def rollout_batch(engines, prompts, G, args):
                 "loss_weights": [1.0 / (n * len(prompts) * G)] * n,
             }
             seqs.append(grpo.make_sequence(p, s["token_ids"], **per))
-    return [[micro] for micro in split_for_ranks(seqs, 2, 512)]  # [rank][minibatch] -> micro-batches
+    shares = split_for_ranks(seqs, 2 // sp_size, 512)  # per data-parallel group; its SP ranks get the same
+    return [[shares[rank // sp_size]] for rank in range(2)]  # [rank][minibatch] -> micro-batches
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_engine_matches_trainer_after_train_step_and_sync(ray_cpu, tied, tiny_model, tiny_model_untied, tokenizer):
+@pytest.mark.parametrize("tied,sp_size", [(True, 1), (False, 1), (True, 2)], ids=["tied", "untied", "tied-sp2"])
+def test_engine_matches_trainer_after_train_step_and_sync(
+    ray_cpu, tied, sp_size, tiny_model, tiny_model_untied, tokenizer
+):
+    # sp2: both trainer ranks split every row with ring attention (and the k3 KL's reference model too)
     path = tiny_model if tied else tiny_model_untied
-    args = grpo.Args(learning_rate=1e-3, warmup_steps=1, temperature=0.9, max_response_length=8)
+    args = grpo.Args(
+        learning_rate=1e-3, warmup_steps=1, temperature=0.9, max_response_length=8, sp_size=sp_size,
+        kl_coef=0.01 if sp_size > 1 else 0.0,
+    )  # fmt: skip
     pg = make_placement_group([1, 1, 1], use_gpu=False)
-    trainers = spawn_trainers(grpo.Trainer, 2, pg, args, path, num_gpus=0)
-    engines = spawn_engines(1, pg, 2, 1, path, 0, "gloo", 64, 0.25, colocate=False, use_gpu=False)
-    addr, port = rendezvous_address(pg, 0)
-    call(trainers, "init_weight_sync", engines, "gloo", addr, port)
-    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 1?"}]) for a in range(3)]
+    actors = []  # killed even when an assertion fails, so the next test gets its bundles
+    try:
+        trainers = spawn_trainers(grpo.Trainer, 2, pg, args, path, num_gpus=0)
+        actors += trainers
+        engines = spawn_engines(1, pg, 2, 1, path, 0, "gloo", 64, 0.25, colocate=False, use_gpu=False)
+        actors += engines
+        addr, port = rendezvous_address(pg, 0)
+        call(trainers, "init_weight_sync", engines, "gloo", addr, port)
+        prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 1?"}]) for a in range(3)]
 
-    first = call(trainers, "train_step", 0, per_rank=rollout_batch(engines, prompts, 4, args))
-    assert max(r["logprob_diff_max"] for r in first) < 1e-4  # identical weights at the start
-    # trained but not pushed: the engine samples from stale weights and the probe sees it
-    stale = call(trainers, "train_step", 1, per_rank=rollout_batch(engines, prompts, 4, args))
-    assert max(r["logprob_diff_max"] for r in stale) > 1e-2
-    call(trainers, "push_weights")
-    synced = call(trainers, "train_step", 2, per_rank=rollout_batch(engines, prompts, 4, args))
-    assert max(r["logprob_diff_max"] for r in synced) < 1e-4
-    for a in trainers + engines:
-        ray.kill(a)
-    ray.util.remove_placement_group(pg)
+        batch = rollout_batch(engines, prompts, 4, args, sp_size)
+        first = call(trainers, "train_step", 0, per_rank=batch)
+        assert max(r["logprob_diff_max"] for r in first) < 1e-4  # identical weights at the start
+        micro_batches = [mb for share in batch[::sp_size] for mb in share[0]]  # each data-parallel share once
+        real_tokens = sum(mb["loss_mask"].sum().item() * mb["loss_scale"].item() for mb in micro_batches)
+        assert sum(r["tokens"] for r in first) == real_tokens  # with SP every response token is trained on one rank
+        # trained but not pushed: the engine samples from stale weights and the probe sees it
+        stale = call(trainers, "train_step", 1, per_rank=rollout_batch(engines, prompts, 4, args, sp_size))
+        assert max(r["logprob_diff_max"] for r in stale) > 1e-2
+        call(trainers, "push_weights")
+        synced = call(trainers, "train_step", 2, per_rank=rollout_batch(engines, prompts, 4, args, sp_size))
+        assert max(r["logprob_diff_max"] for r in synced) < 1e-4
+    finally:
+        for a in actors:
+            ray.kill(a)
+        ray.util.remove_placement_group(pg)
 
 
 def grpo_args(model, out, *extra):
