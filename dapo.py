@@ -365,7 +365,7 @@ class Trainer:
                         stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                stats["grad_norm_sum"] += grad_norm.item()
+                stats["grad_norms"] += grad_norm.item()  # the global norm: the same on every rank
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -576,7 +576,7 @@ def main(args: Args):
             "train/loss": r["loss"] / num_updates,
             "train/clipfrac": r["clipped_tokens"] / r["tokens"],
             "train/tis_weight": r["tis_sum"] / r["tokens"],
-            "train/grad_norm": r["grad_norm_sum"] / num_updates,
+            "train/grad_norm": r["grad_norms"] / num_updates,
             "train/lr": r["lr"],
             "train/logprob_diff_mean": r["logprob_diff_sum"] / (r["tokens"] / args.num_epochs),
             "train/logprob_diff_max": max(x["logprob_diff_max"] for x in results),

@@ -51,6 +51,7 @@ from common.data import (
 )
 from common.model import BUILTIN_MODEL, resolve_model
 from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
+from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
 
@@ -97,6 +98,8 @@ class Args:
     # Resources
     num_trainers: int = 1
     """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    sp_size: int = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers = data-parallel x sp-size)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
 
@@ -173,14 +176,13 @@ def reward_fn(response: str, answer: str) -> float:
     return float(verify(parse(answer), parse(response)))
 
 
-def sequence_logprobs(model, mb: dict) -> torch.Tensor:
+def sequence_logprobs(model, mb: dict, sp_group=None) -> torch.Tensor:
     """log π(y|x) of every response in a packed micro-batch of pairs: the sum over its tokens. Returns (P, 2),
-    column 0 chosen, column 1 rejected (make_pair puts them in that order)."""
+    column 0 chosen, column 1 rejected (make_pair puts them in that order). With --sp-size k this rank holds
+    part of each row; sequence_sums adds the k partial sums."""
     logprobs = compute_logprobs(model, mb["input_ids"], mb["positions"], mb["labels"], mb["loss_mask"])  # (N,)
-    seq_index = (mb["positions"][0] == 0).cumsum(0) - 1  # (T,) which sequence each token belongs to
     keep = mb["loss_mask"][0].bool()
-    sums = torch.zeros(int(seq_index[-1]) + 1, device=logprobs.device).index_add(0, seq_index[keep], logprobs)
-    return sums.view(-1, 2)
+    return sequence_sums(logprobs, mb["seq_index"][0, keep], int(mb["num_seqs"]), sp_group).view(-1, 2)
 
 
 def compute_dpo_loss(chosen_logratios, rejected_logratios, beta: float, label_smoothing: float = 0.0, ipo=False):
@@ -255,6 +257,9 @@ class Trainer:
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
         # π_ref: the frozen starting model (also when resuming: the run's start, not the checkpoint).
         self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False).eval().requires_grad_(False)
+        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        for model in (self.model, self.ref):
+            enable_ring_attention(model, self.sp.group)  # a no-op when --sp-size is 1
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
@@ -262,9 +267,13 @@ class Trainer:
 
     def pair_losses(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch of pairs."""
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        mb["seq_index"] = (mb["positions"] == 0).cumsum(1) - 1  # (1, T) which sequence each token belongs to
+        mb["num_seqs"] = mb["seq_index"][0, -1] + 1
+        mb = shard_micro_batch(mb, self.sp.rank, self.sp.size)  # this rank's part of every row (SP)
         with torch.no_grad():
-            ref_logprobs = sequence_logprobs(self.ref, mb)  # (P, 2)
-        logratios = sequence_logprobs(self.model, mb) - ref_logprobs  # (P, 2) Δ
+            ref_logprobs = sequence_logprobs(self.ref, mb, self.sp.group)  # (P, 2)
+        logratios = sequence_logprobs(self.model, mb, self.sp.group) - ref_logprobs  # (P, 2) Δ
         a = self.args
         losses = compute_dpo_loss(logratios[:, 0], logratios[:, 1], a.beta, a.label_smoothing, a.ipo)
         return losses, a.beta * logratios.detach()
@@ -276,13 +285,12 @@ class Trainer:
             group["lr"] = lr_at(step, self.args)
         stats = {}
         for i, mb in enumerate(micro_batches):
-            mb = {k: v.to(self.device) for k, v in mb.items()}
             # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             losses, rewards = self.pair_losses(mb)
             loss = losses.sum() * mb["loss_scale"]
             # Mean over the pairs of the whole global batch; FSDP averages over ranks, so undo its 1/world.
-            (loss * self.world_size / num_pairs).backward()
+            (loss * self.world_size / num_pairs).backward()  # SP: each rank gets the gradient of its own tokens
             add_pair_stats(stats, losses.detach(), rewards, mb["loss_scale"].item())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
@@ -295,7 +303,6 @@ class Trainer:
         self.model.eval()
         stats = {}
         for mb in micro_batches:
-            mb = {k: v.to(self.device) for k, v in mb.items()}
             losses, rewards = self.pair_losses(mb)
             add_pair_stats(stats, losses, rewards, mb["loss_scale"].item())
         return stats
@@ -304,6 +311,7 @@ class Trainer:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions of this rank's prompts. synced_gpus keeps the ranks' FSDP collectives in step."""
         self.model.eval()
+        enable_ring_attention(self.model, None)  # each rank generates its own prompts whole
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left-pad
@@ -312,6 +320,7 @@ class Trainer:
             input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=pad, synced_gpus=self.world_size > 1,
         )  # fmt: skip
+        enable_ring_attention(self.model, self.sp.group)
         stop = {self.tokenizer.eos_token_id, pad}
         return [[t for t in row[width:].tolist() if t not in stop] for row in out]
 
@@ -355,8 +364,11 @@ def _has_flash_attn() -> bool:
 
 def main(args: Args):
     # ---- validate everything cheap before anything expensive starts ----
-    if args.batch_size % args.num_trainers:
-        raise InputError(f"--batch-size {args.batch_size} is not divisible by --num-trainers {args.num_trainers}")
+    if args.sp_size < 1 or args.num_trainers % args.sp_size:
+        raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
+    if args.batch_size % dp_size:
+        raise InputError(f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups")
     if args.max_tokens_per_micro_batch < 2 * args.max_length:
         raise InputError("--max-tokens-per-micro-batch must be at least 2 * --max-length (a pair must fit)")
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
@@ -415,6 +427,7 @@ def main(args: Args):
     run.print(f"run dir: {run.dir}  model: {args.model}  train pairs: {len(pairs['train'])}")
 
     def pair_metrics(prefix: str, sums: list[dict]) -> dict:
+        sums = sums[:: args.sp_size]  # the ranks of an SP group report the same pairs: count them once
         n = sum(s["pairs"] for s in sums)
         keys = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
         return {f"{prefix}/{k}": sum(s[k] for s in sums) / n for k in keys}
@@ -422,8 +435,9 @@ def main(args: Args):
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in pairs:
-            shares = split_for_ranks(pairs["eval"], args.num_trainers, args.max_tokens_per_micro_batch)
-            metrics.update(pair_metrics("eval", call(trainers, "eval_pairs", per_rank=shares)))
+            shares = split_for_ranks(pairs["eval"], dp_size, args.max_tokens_per_micro_batch)
+            per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]  # an SP group: one share
+            metrics.update(pair_metrics("eval", call(trainers, "eval_pairs", per_rank=per_rank)))
         if accuracy_prompts:
             n = args.num_trainers
             shares = [accuracy_prompts[r::n] for r in range(n)]
@@ -449,8 +463,9 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
-        shares = split_for_ranks(batch, args.num_trainers, args.max_tokens_per_micro_batch)
-        results = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
+        per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]
+        results = call(trainers, "train_step", len(batch), step, per_rank=per_rank)
         elapsed = time.time() - t0
         metrics = {
             **pair_metrics("train", results),

@@ -56,6 +56,7 @@ from common.placement import (
     spawn_trainers,
     wait_all,
 )
+from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 from common.weight_sync import choose_backend, init_weight_sync
 
@@ -109,6 +110,8 @@ class Args:
     """FSDP2 policy trainer ranks (one GPU each on GPU; share the cores on CPU)"""
     num_critics: int = 1
     """FSDP2 critic ranks, a separate actor group (one GPU each on GPU)"""
+    sp_size: int = 1
+    """ring attention: split every packed row over this many ranks of each group (--num-trainers/--num-critics = DP x SP)"""
     num_engines: int = 1
     """vLLM engines (Ray actors) generating rollouts"""
     engine_tp: int = 1
@@ -366,18 +369,21 @@ def make_sequence(prompt: list[int], response: list[int], **per_response) -> dic
 
 
 def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.Tensor:
-    """(B, T) left-aligned per-token values from the actors' forward outputs, found by their `seq_id`.
+    """(B, T) left-aligned per-token values from the actors' forward outputs, placed by (`seq_id`, `tok`).
 
-    results[rank][micro-batch] holds (N,) tensors over the masked positions; a sequence's tokens stay together
-    and in order inside a packed row, so each sequence's slice is its tokens in order.
+    results[rank][micro-batch] holds (N,) tensors over the masked positions this rank holds, with each token's
+    sequence and its index in the response (with --sp-size, a row's tokens are spread over the SP group).
     """
     out = torch.zeros(len(lengths), max(lengths))
     for per_rank in results:
         for mb in per_rank:
-            ids = mb["seq_id"].long()
-            for i in ids.unique().tolist():
-                out[i, : lengths[i]] = mb[key][ids == i]
+            out[mb["seq_id"].long(), mb["tok"].long()] = mb[key]
     return out
+
+
+def per_rank(shares: list, sp_size: int) -> list:
+    """Data shares -> one per rank: the sp_size consecutive ranks of an SP group get the same share."""
+    return [share for share in shares for _ in range(sp_size)]
 
 
 # TRY NOT TO MODIFY: what the policy and critic actors share: a checkpoint of their FSDP2 model and optimizer.
@@ -409,6 +415,9 @@ class Trainer(ShardedModel):
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
         # π_ref is the start model, also on --resume (model_path is then the checkpoint).
         self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False).eval().requires_grad_(False)
+        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        for model in (self.model, self.ref):
+            enable_ring_attention(model, self.sp.group)  # a no-op when --sp-size is 1
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
@@ -429,12 +438,13 @@ class Trainer(ShardedModel):
         self.model.eval()
         out = []
         for mb in micro_batches:  # filler micro-batches (loss_scale 0) still run: FSDP's collectives need them
-            mb = {k: v.to(self.device) for k, v in mb.items()}
+            mb = shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
             inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], self.args.temperature)
             logprobs, ref_logprobs = compute_logprobs(self.model, *inputs), compute_logprobs(self.ref, *inputs)
             if mb["loss_scale"].item():
-                seq_id = mb["seq_id"][0, mb["loss_mask"][0].bool()]
-                out.append({"seq_id": seq_id.cpu(), "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()})
+                m = mb["loss_mask"][0].bool()
+                out.append({"seq_id": mb["seq_id"][0, m].cpu(), "tok": mb["tok"][0, m].cpu(),
+                            "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()})  # fmt: skip
         return out
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
@@ -442,7 +452,13 @@ class Trainer(ShardedModel):
         args, stats = self.args, defaultdict(float)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.learning_rate)
-        minibatches = [[{k: v.to(self.device) for k, v in mb.items()} for mb in mini] for mini in minibatches]
+        minibatches = [
+            [
+                shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+                for mb in mini
+            ]
+            for mini in minibatches
+        ]  # with --sp-size k this rank holds 2 of each row's 2k zigzag chunks; each token's loss is on one rank
         self.model.train()
         for _ in range(args.num_epochs):
             for mini in minibatches:
@@ -463,7 +479,7 @@ class Trainer(ShardedModel):
                     stats["policy_loss"] += loss.item()
                     stats["tokens"] += m.sum().item() * real
                     stats["clipped_tokens"] += clipped.sum().item() * real
-                    stats["approx_kl_sum"] += (log_ratio.exp() - 1 - log_ratio).sum().item() * real  # k3(π_θold‖π_θ)
+                    stats["approx_kl_sum"] += (torch.expm1(log_ratio) - log_ratio).sum().item() * real  # k3(π_θold‖π_θ)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 stats["grad_norm_sum"] += grad_norm.item()
@@ -483,6 +499,8 @@ class Critic(ShardedModel):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.model = load_critic(model_path, self.device, args.gradient_checkpointing, pad)
+        self.sp = sp_groups(world_size, args.sp_size)
+        enable_ring_attention(self.model, self.sp.group)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
         )
@@ -493,10 +511,11 @@ class Critic(ShardedModel):
         self.model.eval()
         out = []
         for mb in micro_batches:
-            mb = {k: v.to(self.device) for k, v in mb.items()}
+            mb = shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
             values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
             if mb["loss_scale"].item():
-                out.append({"seq_id": mb["seq_id"][0, mb["loss_mask"][0].bool()].cpu(), "values": values.cpu()})
+                m = mb["loss_mask"][0].bool()
+                out.append({"seq_id": mb["seq_id"][0, m].cpu(), "tok": mb["tok"][0, m].cpu(), "values": values.cpu()})
         return out
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
@@ -504,7 +523,13 @@ class Critic(ShardedModel):
         args, stats = self.args, defaultdict(float)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.critic_learning_rate)
-        minibatches = [[{k: v.to(self.device) for k, v in mb.items()} for mb in mini] for mini in minibatches]
+        minibatches = [
+            [
+                shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+                for mb in mini
+            ]
+            for mini in minibatches
+        ]  # with --sp-size k this rank holds 2 of each row's 2k zigzag chunks; each token's loss is on one rank
         self.model.train()
         for _ in range(args.num_epochs):
             for mini in minibatches:
@@ -591,9 +616,12 @@ def main(args: Args):
     # ---- validate everything cheap before anything expensive starts ----
     n = args.samples_per_prompt
     batch_size = args.prompts_per_step * n
-    if batch_size % (args.num_minibatches * max(args.num_trainers, args.num_critics)):
+    if args.sp_size < 1 or args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
+        raise InputError(f"--num-trainers and --num-critics must be multiples of --sp-size {args.sp_size}")
+    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
+    if batch_size % (args.num_minibatches * max(dp_sizes)):
         raise InputError(
-            "--prompts-per-step x --samples-per-prompt must divide into --num-minibatches x --num-trainers/--num-critics"
+            "--prompts-per-step x --samples-per-prompt must divide into --num-minibatches x data-parallel groups"
         )
     if args.colocate and (args.engine_tp != 1 or args.num_engines != args.num_trainers):
         raise InputError(
@@ -729,10 +757,11 @@ def main(args: Args):
         # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then rewards, GAE, whitening
         lengths = [len(s["token_ids"]) for s in responses]
         seqs = [
-            make_sequence(batch[i // n][0], s["token_ids"], seq_id=[i] * lengths[i]) for i, s in enumerate(responses)
+            make_sequence(batch[i // n][0], s["token_ids"], seq_id=[i] * lengths[i], tok=range(lengths[i]))
+            for i, s in enumerate(responses)
         ]
         shares = tuple(
-            split_for_ranks(seqs, k, args.max_tokens_per_micro_batch) for k in (args.num_trainers, args.num_critics)
+            per_rank(split_for_ranks(seqs, k, args.max_tokens_per_micro_batch), args.sp_size) for k in dp_sizes
         )
         policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=use_gpu)
         logprobs, ref_logprobs = (
@@ -751,7 +780,7 @@ def main(args: Args):
 
         order = torch.randperm(len(responses), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
         minis = [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]
-        shares = ([[] for _ in range(args.num_trainers)], [[] for _ in range(args.num_critics)])
+        shares = ([[] for _ in range(dp_sizes[0])], [[] for _ in range(dp_sizes[1])])
         for mini in minis:
             weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any number of ranks
             train_seqs = [
@@ -771,9 +800,10 @@ def main(args: Args):
                 )  # fmt: skip
                 for i in mini
             ]
-            for group, share in zip((args.num_trainers, args.num_critics), shares):
-                for rank, micro in enumerate(split_for_ranks(train_seqs, group, args.max_tokens_per_micro_batch)):
+            for dp, share in zip(dp_sizes, shares):
+                for rank, micro in enumerate(split_for_ranks(train_seqs, dp, args.max_tokens_per_micro_batch)):
                     share[rank].append(micro)
+        shares = tuple(per_rank(share, args.sp_size) for share in shares)
         policy_results, critic_results = call_groups(trainers, critics, "train_step", shares, step, parallel=use_gpu)
         t_train = time.time()
 
@@ -813,8 +843,8 @@ def main(args: Args):
             "train/approx_kl": r["approx_kl_sum"] / r["tokens"],
             "train/kl": kl_per_response,
             "train/explained_variance": explained_variance(values, returns, response_mask),
-            "train/grad_norm": r["grad_norm_sum"] / num_updates,
-            "train/critic_grad_norm": r["critic_grad_norm_sum"] / num_updates,
+            "train/grad_norm": policy_results[0]["grad_norm_sum"] / num_updates,  # global norms: same on every rank
+            "train/critic_grad_norm": critic_results[0]["critic_grad_norm_sum"] / num_updates,
             "train/lr": policy_results[0]["lr"],
             "train/logprob_diff_mean": diff.sum().item() / num_tokens,
             "train/logprob_diff_max": diff.max().item(),

@@ -40,6 +40,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from common.data import InputError, as_messages, encode_example, load_rows, split_for_ranks, validate_rows
 from common.model import BUILTIN_MODEL, resolve_model
 from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
+from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
 
@@ -82,6 +83,8 @@ class Args:
     # Resources
     num_trainers: int = 1
     """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    sp_size: int = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers = data-parallel x sp-size)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
 
@@ -143,12 +146,12 @@ def sequence_ends(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> t
     return real & (~next_real | next_starts)
 
 
-def compute_rewards(model, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
+def compute_rewards(model, input_ids, position_ids, attention_mask=None, ends=None) -> torch.Tensor:
     """r_θ(x, y) of every sequence in a batch, in reading order: (B, T) ids -> (S,) scalar rewards.
 
     HF's classifier scores every position and then keeps one per row (the rightmost non-pad token), which cannot
     see the sequences inside a packed row, and goes wrong when pad = EOS ends every response. So we catch the
-    head's per-position scores with a hook and read them at sequence_ends ourselves.
+    head's per-position scores with a hook and read them at sequence_ends ourselves (or at `ends`, (B, T) bool).
     """
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     scores = []
@@ -157,7 +160,7 @@ def compute_rewards(model, input_ids, position_ids, attention_mask=None) -> torc
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     finally:
         hook.remove()
-    return scores[0][..., 0].float()[sequence_ends(mask, position_ids)]  # (S,)
+    return scores[0][..., 0].float()[sequence_ends(mask, position_ids) if ends is None else ends]  # (S,)
 
 
 def compute_rm_loss(chosen_rewards, rejected_rewards, margins) -> torch.Tensor:
@@ -222,14 +225,22 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.model = load_reward_model(model_path, self.device, args.gradient_checkpointing, pad)
+        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
         )
 
     def pair_rewards(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(P,) chosen rewards, rejected rewards and margins of one packed micro-batch of pairs."""
-        rewards = compute_rewards(self.model, mb["input_ids"], mb["positions"]).view(-1, 2)  # (P, 2)
-        margins = mb["margin"][sequence_ends(torch.ones_like(mb["input_ids"]), mb["positions"])].view(-1, 2)[:, 0]
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        ends = sequence_ends(torch.ones_like(mb["input_ids"]), mb["positions"])  # (1, T), before any SP split
+        margins = mb["margin"][ends].view(-1, 2)[:, 0]
+        mb["ends"], mb["seq_index"] = ends, ends.cumsum(1) - 1  # the score of sequence i is read at its end
+        mb = shard_micro_batch(mb, self.sp.rank, self.sp.size)  # this rank's part of every row (SP)
+        ends = mb["ends"].bool()  # the ends this rank holds; sequence_sums puts each in its place (all-reduce)
+        rewards = compute_rewards(self.model, mb["input_ids"], mb["positions"], ends=ends)
+        rewards = sequence_sums(rewards, mb["seq_index"][ends], 2 * len(margins), self.sp.group).view(-1, 2)
         return rewards[:, 0], rewards[:, 1], margins
 
     def train_step(self, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
@@ -239,7 +250,6 @@ class Trainer:
             group["lr"] = lr_at(step, self.args)
         stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0}
         for i, mb in enumerate(micro_batches):
-            mb = {k: v.to(self.device) for k, v in mb.items()}
             # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             chosen, rejected, margins = self.pair_rewards(mb)
@@ -260,7 +270,6 @@ class Trainer:
         self.model.eval()
         stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "pairs": 0.0}
         for mb in micro_batches:
-            mb = {k: v.to(self.device) for k, v in mb.items()}
             chosen, rejected, margins = self.pair_rewards(mb)
             real = mb["loss_scale"].item()
             stats["loss_sum"] += compute_rm_loss(chosen, rejected, margins).sum().item() * real
@@ -294,8 +303,11 @@ def _has_flash_attn() -> bool:
 
 def main(args: Args):
     # ---- validate everything cheap before anything expensive starts ----
-    if args.batch_size % args.num_trainers:
-        raise InputError(f"--batch-size {args.batch_size} is not divisible by --num-trainers {args.num_trainers}")
+    if args.sp_size < 1 or args.num_trainers % args.sp_size:
+        raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
+    if args.batch_size % dp_size:
+        raise InputError(f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups")
     if args.max_tokens_per_micro_batch < 2 * args.max_length:
         raise InputError("--max-tokens-per-micro-batch must be at least 2 * --max-length (a pair must fit)")
     resume_step, run_dir = 0, None
@@ -349,8 +361,9 @@ def main(args: Args):
     def evaluate() -> dict:
         if "eval" not in pairs:
             return {}
-        shares = split_for_ranks(pairs["eval"], args.num_trainers, args.max_tokens_per_micro_batch)
-        sums = call(trainers, "eval_pairs", per_rank=shares)
+        shares = split_for_ranks(pairs["eval"], dp_size, args.max_tokens_per_micro_batch)
+        per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]  # an SP group: one share
+        sums = call(trainers, "eval_pairs", per_rank=per_rank)[:: args.sp_size]  # count its pairs once
         n = sum(s["pairs"] for s in sums)
         return {
             "eval/loss": sum(s["loss_sum"] for s in sums) / n,
@@ -368,8 +381,9 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
-        shares = split_for_ranks(batch, args.num_trainers, args.max_tokens_per_micro_batch)
-        results = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
+        per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]
+        results = call(trainers, "train_step", len(batch), step, per_rank=per_rank)[:: args.sp_size]
         elapsed = time.time() - t0
         metrics = {
             "train/loss": sum(r["loss_sum"] for r in results) / len(batch),

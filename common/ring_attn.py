@@ -62,10 +62,33 @@ def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
             out[key] = v
             continue
         if pad:
-            fill = torch.arange(pad) if key == "position_ids" else torch.zeros(pad)
+            fill = torch.arange(pad) if key in ("position_ids", "positions") else torch.zeros(pad)
             v = torch.cat([v, fill.to(v).expand(v.shape[0], pad)], dim=1)
         out[key] = v[:, idx]
     return out
+
+
+def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None) -> torch.Tensor:
+    """Per-sequence sums (S,) of per-token `values` (N,) whose sequences are split over the SP group.
+
+    Each rank adds up its own tokens, then the partial sums are all-reduced. The backward is the identity: every
+    rank of the group computes the same loss from the same sums, and each must get the gradient of its own
+    tokens once (a plain all-reduce backward would count it k times).
+    """
+    sums = values.new_zeros(num_seqs).index_add(0, seq_index, values)
+    return sums if group is None else _SumOverGroup.apply(sums, group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def enable_ring_attention(model, group) -> None:

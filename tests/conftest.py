@@ -101,3 +101,22 @@ def free_ray_bundles():
     for pg_id, info in placement_group_table().items():
         if info["state"] != "REMOVED":
             ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+
+
+def assert_same_training(weights1: dict, weights2: dict, initial: dict):
+    """Two runs of the same training (e.g. 1 rank and 2 ranks) end with the same weights, to float noise.
+
+    Not a plain 1e-4 check on every element: AdamW divides each gradient by its own running RMS, so its first
+    steps move an element by ±lr whatever the gradient's size. An element whose gradient is ~1e-8 (a rare token,
+    a near-dead unit) then moves in a direction set by float noise, and a handful of such elements can differ by
+    a few lr. So: no element apart by more than 1e-3 (3 steps at lr 1e-3), at most 0.1% (or 2) of the elements of
+    any tensor apart by more than 1e-5, and the runs must have moved the weights (more than 1e-3 somewhere).
+    """
+    assert weights1.keys() == weights2.keys()
+    for name in weights1:
+        diff = (weights1[name].float() - weights2[name].float()).abs()
+        assert diff.max().item() < 1e-3, f"{name}: max difference {diff.max().item():.2e}"
+        apart = (diff > 1e-5).sum().item()
+        assert apart <= max(2, diff.numel() // 1000), f"{name}: {apart} of {diff.numel()} elements apart by > 1e-5"
+    moved = max((weights1[n] - initial[n]).abs().max().item() for n in weights1 if n in initial)
+    assert moved > 1e-3  # the comparison is not between two untouched models

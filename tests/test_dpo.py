@@ -7,7 +7,7 @@ import os
 import pytest
 import ray
 import torch
-from conftest import only_run_dir, read_jsonl, run_script
+from conftest import assert_same_training, only_run_dir, read_jsonl, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -52,6 +52,7 @@ def test_sequence_logprobs_sum_response_tokens_only(tiny_model, tokenizer):
     ]
     units = [dpo.make_pair(examples[0], examples[1]), dpo.make_pair(examples[2], examples[3])]
     mb = {k: torch.tensor([units[0][k] + units[1][k]]) for k in units[0]}  # two pairs packed in one row
+    mb["seq_index"], mb["num_seqs"] = (mb["positions"] == 0).cumsum(1) - 1, torch.tensor(4)  # as pair_losses does
     with torch.no_grad():
         got = dpo.sequence_logprobs(model, mb)
         want = []
@@ -69,21 +70,22 @@ def ray_cpu():
     ray.shutdown()
 
 
-def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3):
+def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
     rows, _ = load_rows("data/arithmetic/prefs_train.jsonl")
     pairs = [
         dpo.make_pair(encode_example(tokenizer, r["prompt"], r["chosen"]), encode_example(tokenizer, r["prompt"], r["rejected"]))
         for r in rows[:24]
     ]  # fmt: skip
-    args = dpo.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=256, beta=0.5)
+    args = dpo.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=256, beta=0.5,
+                    sp_size=sp_size)  # fmt: skip
     pg = make_placement_group([1] * world_size, use_gpu=False)
     trainers = spawn_trainers(dpo.Trainer, world_size, pg, args, model_path, model_path, num_gpus=0)
     losses = []
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]
-        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch)
-        out = call(trainers, "train_step", len(batch), step, per_rank=shares)
-        losses.append(sum(o["loss"] for o in out) / len(batch))
+        shares = split_for_ranks(batch, world_size // sp_size, args.max_tokens_per_micro_batch)
+        out = call(trainers, "train_step", len(batch), step, per_rank=[shares[r // sp_size] for r in range(world_size)])
+        losses.append(sum(o["loss"] for o in out[::sp_size]) / len(batch))  # an SP group reports its pairs once
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
         ray.kill(t)
@@ -91,17 +93,14 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3):
     return losses, load_file(os.path.join(out_dir, "model.safetensors"))
 
 
-def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path):
+@pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
+def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path, sp_size):
+    # sp2: both ranks split every row with ring attention; sequence sums are all-reduced over the pair of ranks
     losses1, weights1 = train_with_ranks(1, tiny_model, tokenizer, tmp_path / "one")
-    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two")
+    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size)
     assert losses1[0] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference at step 0: -log σ(0)
     assert losses1 == pytest.approx(losses2, abs=1e-4)
-    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
-    assert weights1.keys() == weights2.keys()
-    for name in weights1:
-        torch.testing.assert_close(weights1[name], weights2[name], atol=1e-4, rtol=0)
-    moved = max((weights1[n] - initial[n]).abs().max().item() for n in weights1)
-    assert moved > 1e-3  # the comparison is not between two untouched models
+    assert_same_training(weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors")))
 
 
 def test_dpo_end_to_end_loads_in_transformers(tiny_model, tmp_path):

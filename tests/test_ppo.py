@@ -149,3 +149,25 @@ def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
     # a random reward model gives real-valued scores, not the verifier's 0/1
     samples = read_jsonl(os.path.join(only_run_dir(out), "samples.jsonl"))
     assert any(s["reward"] not in (0.0, 1.0) for s in samples) and rows[-1]["step"] == 1
+
+
+def test_sp2_matches_one_rank(tiny_model, tmp_path):
+    # --sp-size 2: the policy and the critic each split every row over 2 ranks with ring attention. The runs see
+    # the same rollouts (same start weights, same engine seed), so values, GAE, losses and updates must agree.
+    # A random tiny model never solves the task, so a reward function scores the response's length instead:
+    # with all-zero rewards every advantage, loss and gradient would be 0 and the comparison empty.
+    (tmp_path / "length_reward.py").write_text("def reward(response, answer):\n    return len(response) % 5 / 4\n")
+    rows = {}
+    for name, extra in (("one", ()), ("sp2", ("--num-trainers", "2", "--num-critics", "2", "--sp-size", "2"))):
+        extra += ("--num-steps", "2", "--eval-dataset", "", "--reward-fn", f"{tmp_path / 'length_reward.py'}:reward")
+        result = run_script("ppo.py", *ppo_args(tiny_model, tmp_path / name, *extra))
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name] = read_jsonl(os.path.join(only_run_dir(tmp_path / name), "metrics.jsonl"))
+    assert [r["step"] for r in rows["sp2"]] == [1, 2]
+    for one, sp2 in zip(rows["one"], rows["sp2"]):
+        for key in ("rollout/reward", "rollout/value_mean", "rollout/return_mean", "train/policy_loss",
+                    "train/value_loss", "train/approx_kl", "train/kl", "train/grad_norm", "train/critic_grad_norm"):  # fmt: skip
+            assert sp2[key] == pytest.approx(one[key], abs=1e-4), (one["step"], key)
+    first, second = rows["one"]
+    assert first["train/grad_norm"] > 1e-3 and first["train/critic_grad_norm"] > 1e-3 and first["train/value_loss"] > 0
+    assert abs(second["rollout/value_mean"]) > 1e-4  # step 2's values come from the trained critic, not its zero head
