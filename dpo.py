@@ -51,7 +51,7 @@ from common.data import (
 )
 from common.model import BUILTIN_MODEL, resolve_model
 from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
-from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
+from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
 
@@ -436,8 +436,8 @@ def main(args: Args):
         metrics = {}
         if "eval" in pairs:
             shares = split_for_ranks(pairs["eval"], dp_size, args.max_tokens_per_micro_batch)
-            per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]  # an SP group: one share
-            metrics.update(pair_metrics("eval", call(trainers, "eval_pairs", per_rank=per_rank)))
+            sums = call(trainers, "eval_pairs", per_rank=shares_per_rank(shares, args.sp_size))
+            metrics.update(pair_metrics("eval", sums))
         if accuracy_prompts:
             n = args.num_trainers
             shares = [accuracy_prompts[r::n] for r in range(n)]
@@ -464,8 +464,7 @@ def main(args: Args):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
-        per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]
-        results = call(trainers, "train_step", len(batch), step, per_rank=per_rank)
+        results = call(trainers, "train_step", len(batch), step, per_rank=shares_per_rank(shares, args.sp_size))
         elapsed = time.time() - t0
         metrics = {
             **pair_metrics("train", results),

@@ -56,7 +56,7 @@ from common.placement import (
     spawn_trainers,
     wait_all,
 )
-from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
+from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 from common.weight_sync import choose_backend, init_weight_sync
 
@@ -111,7 +111,7 @@ class Args:
     num_critics: int = 1
     """FSDP2 critic ranks, a separate actor group (one GPU each on GPU)"""
     sp_size: int = 1
-    """ring attention: split every packed row over this many ranks of each group (--num-trainers/--num-critics = DP x SP)"""
+    """ring attention: split every packed row over this many ranks (--num-trainers, --num-critics = DP x SP)"""
     num_engines: int = 1
     """vLLM engines (Ray actors) generating rollouts"""
     engine_tp: int = 1
@@ -381,11 +381,6 @@ def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.
     return out
 
 
-def per_rank(shares: list, sp_size: int) -> list:
-    """Data shares -> one per rank: the sp_size consecutive ranks of an SP group get the same share."""
-    return [share for share in shares for _ in range(sp_size)]
-
-
 # TRY NOT TO MODIFY: what the policy and critic actors share: a checkpoint of their FSDP2 model and optimizer.
 class ShardedModel:
     def save(self, path: str, step: int, with_optimizer: bool):
@@ -434,7 +429,7 @@ class Trainer(ShardedModel):
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict]) -> list[dict]:
-        """log π_θold and log π_ref of every response token, with its sequence id, for the driver's rewards."""
+        """π_θold and π_ref logprobs of the response tokens this rank holds, with (sequence, index)."""
         self.model.eval()
         out = []
         for mb in micro_batches:  # filler micro-batches (loss_scale 0) still run: FSDP's collectives need them
@@ -479,7 +474,8 @@ class Trainer(ShardedModel):
                     stats["policy_loss"] += loss.item()
                     stats["tokens"] += m.sum().item() * real
                     stats["clipped_tokens"] += clipped.sum().item() * real
-                    stats["approx_kl_sum"] += (torch.expm1(log_ratio) - log_ratio).sum().item() * real  # k3(π_θold‖π_θ)
+                    # k3 estimate of KL(π_θold‖π_θ); expm1 keeps it accurate for the tiny ratios of a first update
+                    stats["approx_kl_sum"] += (torch.expm1(log_ratio) - log_ratio).sum().item() * real
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 stats["grad_norm_sum"] += grad_norm.item()
@@ -507,7 +503,7 @@ class Critic(ShardedModel):
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict]) -> list[dict]:
-        """V_old of every response token's state, with its sequence id, for GAE in the driver."""
+        """V_old of every response token this rank holds, with its (sequence, index), for GAE in the driver."""
         self.model.eval()
         out = []
         for mb in micro_batches:
@@ -761,7 +757,7 @@ def main(args: Args):
             for i, s in enumerate(responses)
         ]
         shares = tuple(
-            per_rank(split_for_ranks(seqs, k, args.max_tokens_per_micro_batch), args.sp_size) for k in dp_sizes
+            shares_per_rank(split_for_ranks(seqs, k, args.max_tokens_per_micro_batch), args.sp_size) for k in dp_sizes
         )
         policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=use_gpu)
         logprobs, ref_logprobs = (
@@ -803,7 +799,7 @@ def main(args: Args):
             for dp, share in zip(dp_sizes, shares):
                 for rank, micro in enumerate(split_for_ranks(train_seqs, dp, args.max_tokens_per_micro_batch)):
                     share[rank].append(micro)
-        shares = tuple(per_rank(share, args.sp_size) for share in shares)
+        shares = tuple(shares_per_rank(share, args.sp_size) for share in shares)
         policy_results, critic_results = call_groups(trainers, critics, "train_step", shares, step, parallel=use_gpu)
         t_train = time.time()
 

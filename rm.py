@@ -40,7 +40,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from common.data import InputError, as_messages, encode_example, load_rows, split_for_ranks, validate_rows
 from common.model import BUILTIN_MODEL, resolve_model
 from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
-from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
+from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
 
@@ -362,8 +362,8 @@ def main(args: Args):
         if "eval" not in pairs:
             return {}
         shares = split_for_ranks(pairs["eval"], dp_size, args.max_tokens_per_micro_batch)
-        per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]  # an SP group: one share
-        sums = call(trainers, "eval_pairs", per_rank=per_rank)[:: args.sp_size]  # count its pairs once
+        sums = call(trainers, "eval_pairs", per_rank=shares_per_rank(shares, args.sp_size))
+        sums = sums[:: args.sp_size]  # the ranks of an SP group report the same pairs: count them once
         n = sum(s["pairs"] for s in sums)
         return {
             "eval/loss": sum(s["loss_sum"] for s in sums) / n,
@@ -382,8 +382,8 @@ def main(args: Args):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
-        per_rank = [shares[r // args.sp_size] for r in range(args.num_trainers)]
-        results = call(trainers, "train_step", len(batch), step, per_rank=per_rank)[:: args.sp_size]
+        results = call(trainers, "train_step", len(batch), step, per_rank=shares_per_rank(shares, args.sp_size))
+        results = results[:: args.sp_size]  # one rank per SP group
         elapsed = time.time() - t0
         metrics = {
             "train/loss": sum(r["loss_sum"] for r in results) / len(batch),

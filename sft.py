@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.data import InputError, encode_example, encode_prompt, load_rows, split_for_ranks, validate_rows
 from common.model import BUILTIN_MODEL, resolve_model
 from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
-from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
+from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
 
@@ -326,7 +326,7 @@ def main(args: Args):
         metrics = {}
         if "eval" in sequences:
             shares = split_for_ranks(sequences["eval"], dp_size, args.max_tokens_per_micro_batch)
-            sums = call(trainers, "eval_loss", per_rank=[shares[r // args.sp_size] for r in range(args.num_trainers)])
+            sums = call(trainers, "eval_loss", per_rank=shares_per_rank(shares, args.sp_size))
             metrics["eval/loss"] = sum(s["loss_sum"] for s in sums) / sum(s["tokens"] for s in sums)
         if accuracy_prompts:
             n = args.num_trainers
@@ -354,14 +354,8 @@ def main(args: Args):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)
-        shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)  # SP ranks of a group: same share
-        results = call(
-            trainers,
-            "train_step",
-            num_tokens,
-            step,
-            per_rank=[shares[r // args.sp_size] for r in range(args.num_trainers)],
-        )
+        shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
+        results = call(trainers, "train_step", num_tokens, step, per_rank=shares_per_rank(shares, args.sp_size))
         elapsed = time.time() - t0
         metrics = {
             "train/loss": sum(r["loss_sum"] for r in results) / num_tokens,

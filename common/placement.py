@@ -6,6 +6,7 @@ on CPU it is one CPU, a scheduling token: Ray lets us declare more logical CPUs 
 """
 
 import os
+import random
 import socket
 import time
 from datetime import timedelta
@@ -73,9 +74,21 @@ def on_bundle(pg, index: int, num_gpus: float = 0, num_cpus: float = 1, env: dic
 
 @ray.remote(num_cpus=0)
 def _free_address() -> tuple[str, int]:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    """A port that is free now and stays free until rank 0 listens on it (seconds later, after loading a model).
+
+    Ports from the kernel's ephemeral range (what bind(0) returns) can meanwhile be taken by any outgoing
+    connection, e.g. Ray's own, so we pick one below that range: only a deliberate listener could take it.
+    """
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return ray.util.get_node_ip_address(), port
+    raise RuntimeError(f"no free port below the ephemeral range (it starts at {low})")
 
 
 def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:

@@ -68,6 +68,11 @@ def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
     return out
 
 
+def shares_per_rank(shares: list, sp_size: int) -> list:
+    """Driver side of DP x SP: one data share per SP group -> one per rank (its sp_size ranks get the same share)."""
+    return [share for share in shares for _ in range(sp_size)]
+
+
 def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None) -> torch.Tensor:
     """Per-sequence sums (S,) of per-token `values` (N,) whose sequences are split over the SP group.
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 import dpo
 from common.data import encode_example, load_rows, split_for_ranks
 from common.placement import call, init_ray, make_placement_group, spawn_trainers
+from common.ring_attn import shares_per_rank
 
 
 def softplus(x):  # -log σ(-x) = log(1 + e^x)
@@ -84,7 +85,7 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]
         shares = split_for_ranks(batch, world_size // sp_size, args.max_tokens_per_micro_batch)
-        out = call(trainers, "train_step", len(batch), step, per_rank=[shares[r // sp_size] for r in range(world_size)])
+        out = call(trainers, "train_step", len(batch), step, per_rank=shares_per_rank(shares, sp_size))
         losses.append(sum(o["loss"] for o in out[::sp_size]) / len(batch))  # an SP group reports its pairs once
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:

@@ -14,6 +14,7 @@ import grpo
 from common.data import encode_prompt, split_for_ranks
 from common.engines import spawn_engines
 from common.placement import call, init_ray, make_placement_group, rendezvous_address, spawn_trainers
+from common.ring_attn import shares_per_rank
 
 
 def test_group_advantages_by_hand():
@@ -79,8 +80,8 @@ def rollout_batch(engines, prompts, G, args, sp_size=1):
                 "loss_weights": [1.0 / (n * len(prompts) * G)] * n,
             }
             seqs.append(grpo.make_sequence(p, s["token_ids"], **per))
-    shares = split_for_ranks(seqs, 2 // sp_size, 512)  # per data-parallel group; its SP ranks get the same
-    return [[shares[rank // sp_size]] for rank in range(2)]  # [rank][minibatch] -> micro-batches
+    shares = split_for_ranks(seqs, 2 // sp_size, 512)  # one per data-parallel group
+    return [[share] for share in shares_per_rank(shares, sp_size)]  # [rank][minibatch] -> micro-batches
 
 
 @pytest.mark.parametrize("tied,sp_size", [(True, 1), (False, 1), (True, 2)], ids=["tied", "untied", "tied-sp2"])
@@ -94,32 +95,27 @@ def test_engine_matches_trainer_after_train_step_and_sync(
         kl_coef=0.01 if sp_size > 1 else 0.0,
     )  # fmt: skip
     pg = make_placement_group([1, 1, 1], use_gpu=False)
-    actors = []  # killed even when an assertion fails, so the next test gets its bundles
-    try:
-        trainers = spawn_trainers(grpo.Trainer, 2, pg, args, path, num_gpus=0)
-        actors += trainers
-        engines = spawn_engines(1, pg, 2, 1, path, 0, "gloo", 64, 0.25, colocate=False, use_gpu=False)
-        actors += engines
-        addr, port = rendezvous_address(pg, 0)
-        call(trainers, "init_weight_sync", engines, "gloo", addr, port)
-        prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 1?"}]) for a in range(3)]
+    trainers = spawn_trainers(grpo.Trainer, 2, pg, args, path, num_gpus=0)
+    engines = spawn_engines(1, pg, 2, 1, path, 0, "gloo", 64, 0.25, colocate=False, use_gpu=False)
+    addr, port = rendezvous_address(pg, 0)
+    call(trainers, "init_weight_sync", engines, "gloo", addr, port)
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 1?"}]) for a in range(3)]
 
-        batch = rollout_batch(engines, prompts, 4, args, sp_size)
-        first = call(trainers, "train_step", 0, per_rank=batch)
-        assert max(r["logprob_diff_max"] for r in first) < 1e-4  # identical weights at the start
-        micro_batches = [mb for share in batch[::sp_size] for mb in share[0]]  # each data-parallel share once
-        real_tokens = sum(mb["loss_mask"].sum().item() * mb["loss_scale"].item() for mb in micro_batches)
-        assert sum(r["tokens"] for r in first) == real_tokens  # with SP every response token is trained on one rank
-        # trained but not pushed: the engine samples from stale weights and the probe sees it
-        stale = call(trainers, "train_step", 1, per_rank=rollout_batch(engines, prompts, 4, args, sp_size))
-        assert max(r["logprob_diff_max"] for r in stale) > 1e-2
-        call(trainers, "push_weights")
-        synced = call(trainers, "train_step", 2, per_rank=rollout_batch(engines, prompts, 4, args, sp_size))
-        assert max(r["logprob_diff_max"] for r in synced) < 1e-4
-    finally:
-        for a in actors:
-            ray.kill(a)
-        ray.util.remove_placement_group(pg)
+    batch = rollout_batch(engines, prompts, 4, args, sp_size)
+    first = call(trainers, "train_step", 0, per_rank=batch)
+    assert max(r["logprob_diff_max"] for r in first) < 1e-4  # identical weights at the start
+    micro_batches = [mb for share in batch[::sp_size] for mb in share[0]]  # each data-parallel share once
+    real_tokens = sum(mb["loss_mask"].sum().item() * mb["loss_scale"].item() for mb in micro_batches)
+    assert sum(r["tokens"] for r in first) == real_tokens  # with SP every response token is trained on one rank
+    # trained but not pushed: the engine samples from stale weights and the probe sees it
+    stale = call(trainers, "train_step", 1, per_rank=rollout_batch(engines, prompts, 4, args, sp_size))
+    assert max(r["logprob_diff_max"] for r in stale) > 1e-2
+    call(trainers, "push_weights")
+    synced = call(trainers, "train_step", 2, per_rank=rollout_batch(engines, prompts, 4, args, sp_size))
+    assert max(r["logprob_diff_max"] for r in synced) < 1e-4
+    for a in trainers + engines:
+        ray.kill(a)
+    ray.util.remove_placement_group(pg)
 
 
 def grpo_args(model, out, *extra):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 import sft
 from common.data import encode_example, load_rows, split_for_ranks
 from common.placement import call, init_ray, make_placement_group, spawn_trainers
+from common.ring_attn import shares_per_rank
 
 
 def test_compute_logprobs_matches_full_log_softmax(tiny_model, tokenizer):
@@ -79,7 +80,7 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
         batch = sequences[step * 8 : (step + 1) * 8]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)
         shares = split_for_ranks(batch, world_size // sp_size, args.max_tokens_per_micro_batch)
-        out = call(trainers, "train_step", num_tokens, step, per_rank=[shares[r // sp_size] for r in range(world_size)])
+        out = call(trainers, "train_step", num_tokens, step, per_rank=shares_per_rank(shares, sp_size))
         losses.append(sum(o["loss_sum"] for o in out) / num_tokens)
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
