@@ -4,17 +4,18 @@ Each of the k ranks of an SP group holds 2 of the row's 2k chunks (zigzag: rank 
 every rank does the same causal work). Its K/V block travels once around the ring; each rank attends its
 queries to every block as it passes and merges the partial results with their log-sum-exp. The backward
 sends K/V around again together with a dK/dV accumulator that arrives back home after k hops. Memory per
-rank: activations of T/k tokens, one (heads, T/k, T/k) score block at a time. See docs/ring_attention.md.
+rank: activations of T/k tokens, one (heads, T/2k, T/2k) score block at a time. See docs/ring_attention.md.
 
-Packed rows need no side channel: position_ids restart at 0 for every sequence, so a token's sequence start
-is (global index - position id), and token q may see token k iff k's global index <= q's and their starts
-are equal. The rank computes the global indices from the zigzag layout.
+Packed rows: a token's sequence starts at (global index - position id). ring_plan cuts each (query chunk, key
+chunk) pair to its one piece with allowed pairs, for a block kernel (common/attn_blocks.py) to compute.
 """
 
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from common import attn_blocks
 
 RING = "ring_attention"
 
@@ -124,91 +125,109 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
         raise ValueError("ring attention takes one packed row (batch 1) with position_ids")
     if dropout or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
         raise NotImplementedError("ring attention supports neither attention dropout, sliding windows nor softcap")
-    group = module.sp_group
-    T, n = query.shape[2], dist.get_world_size(group)
-    gidx = zigzag_indices(T * n, dist.get_rank(group), n, query.device)  # (T,)
-    starts = gidx - kwargs["position_ids"][0].to(gidx)  # (T,) global index of each token's sequence start
+    group, T = module.sp_group, query.shape[2]
+    n = dist.get_world_size(group)
+    # Every rank needs the whole row's sequence starts to plan its blocks: one small all-gather per layer.
+    pos = [torch.empty_like(kwargs["position_ids"][0]) for _ in range(n)]
+    dist.all_gather(pos, kwargs["position_ids"][0].contiguous(), group=group)
+    gidx = torch.cat([zigzag_indices(T * n, r, n) for r in range(n)])  # global index of each gathered token
+    starts = torch.empty(T * n, dtype=torch.long)
+    starts[gidx] = gidx - torch.cat(pos).cpu()  # global index of each token's sequence start
+    plan = ring_plan(starts, dist.get_rank(group), n)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = RingAttention.apply(query[0], key[0], value[0], torch.stack([gidx, starts]), scale, group)
-    return out.transpose(0, 1).unsqueeze(0), None
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D), the varlen kernels' layout
+    return RingAttention.apply(q.contiguous(), k, v, plan, scale, group).unsqueeze(0), None
 
 
-def _ring_pass(tensors: list[torch.Tensor], group) -> tuple[list, list[torch.Tensor]]:
-    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's. Returns (work, recv)."""
+def ring_plan(starts: torch.Tensor, rank: int, n: int) -> list[list[tuple]]:
+    """Per ring step, the pieces of (local queries x visiting K/V block) with any allowed pair: (rows, cols, cu).
+
+    Chunks are contiguous and a K chunk earlier than a Q chunk is fully in its past, so only the one sequence
+    holding the Q chunk's first token can reach into it: one dense rectangle (cu None) of a prefix of the Q
+    chunk against a suffix of the K chunk. A chunk against itself is causal inside each packed sequence: cu
+    lists the sequence boundaries (flash-attn's cu_seqlens). A later K chunk is skipped: nothing to see.
+    """
+    c = starts.numel() // (2 * n)
+    plan = []
+    for step in range(n):
+        src, pieces = (rank - step) % n, []  # the visiting block started on rank `src`
+        for hq, cq in enumerate((rank, 2 * n - 1 - rank)):
+            for hk, ck in enumerate((src, 2 * n - 1 - src)):
+                sq, sk = starts[cq * c : (cq + 1) * c], starts[ck * c : (ck + 1) * c]
+                if ck == cq:
+                    bounds = ((sq[1:] != sq[:-1]).nonzero().flatten() + 1).tolist()
+                    pieces.append((slice(hq * c, hq * c + c), slice(hk * c, hk * c + c), [0, *bounds, c]))
+                elif ck < cq:
+                    nq, nk = int((sq == sq[0]).sum()), int((sk == sq[0]).sum())
+                    if nk:
+                        pieces.append((slice(hq * c, hq * c + nq), slice(hk * c + c - nk, hk * c + c), None))
+        plan.append(pieces)
+    return plan
+
+
+def _ring_pass(tensors: list[torch.Tensor], group):
+    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's: (wait(), received)."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
     recv = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prev, group) for t in recv]
-    return dist.batch_isend_irecv(ops), recv
-
-
-def _wait(work: list) -> None:
-    for w in work:
-        w.wait()
-
-
-def _scores(q, k, meta_q, meta_k, scale):
-    """Masked fp32 scores (H, Tq, Tk): causal by global index, and only within the same packed sequence."""
-    allowed = (meta_k[0][None, :] <= meta_q[0][:, None]) & (meta_k[1][None, :] == meta_q[1][:, None])  # (Tq, Tk)
-    s = torch.einsum("hqd,hkd->hqk", q.float(), k.float()) * scale
-    return s.masked_fill(~allowed, float("-inf"))
+    work = dist.batch_isend_irecv(ops)
+    return lambda: [w.wait() for w in work], recv
 
 
 class RingAttention(torch.autograd.Function):
     """Exact causal attention of the local queries against the K/V of every rank of the ring.
 
-    Pure torch (fp32 scores, any device): each step computes one (H, T, T) score block of the local queries
-    against the visiting K/V block. q (H, T, D), k/v (Hkv, T, D); meta (2, T) = global index, sequence start.
+    q (T, H, D), k/v (T, Hkv, D); plan from ring_plan. Each piece goes to a block kernel (common.attn_blocks:
+    flash-attn varlen on CUDA when usable, pure torch otherwise) that returns its output and log-sum-exp.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, meta, scale, group):
-        n, rep = dist.get_world_size(group), q.shape[0] // k.shape[0]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (H, T, D)
-        lse = torch.full(q.shape[:2], float("-inf"), device=q.device)  # (H, T)
-        kv, meta_kv = torch.stack([k, v]), meta
+    def forward(ctx, q, k, v, plan, scale, group):
+        n, kernel = dist.get_world_size(group), attn_blocks.kernels_for(q)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (T, H, D)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)  # (H, T)
+        kv = torch.stack([k, v])  # (2, T, Hkv, D): one tensor to send
         for step in range(n):
             if step < n - 1:  # overlap: the next block is in flight while this one is computed
-                work, (kv_next, meta_next) = _ring_pass([kv, meta_kv], group)
-            kb, vb = (x.repeat_interleave(rep, dim=0) for x in kv)  # GQA: expand K/V heads like HF repeat_kv
-            s = _scores(q, kb, meta, meta_kv, scale)
-            lse_b = torch.logsumexp(s, dim=-1)  # (H, T); -inf for rows that see nothing of this block
-            p = torch.exp(s - lse_b.nan_to_num(neginf=0.0)[..., None])
-            out_b = torch.einsum("hqk,hkd->hqd", p, vb.float())
-            lse_new = torch.logaddexp(lse, lse_b)  # step 0 is the own block: every row sees itself, so finite
-            out = out * torch.exp(lse - lse_new)[..., None] + out_b * torch.exp(lse_b - lse_new)[..., None]
-            lse = lse_new
+                wait, (kv_next,) = _ring_pass([kv], group)
+            for rows, cols, cu in plan[step]:
+                out_b, lse_b = kernel.forward(q[rows], kv[0, cols], kv[1, cols], cu, scale)
+                lse_new = torch.logaddexp(lse[:, rows], lse_b)  # every row of a piece sees a key: finite
+                out[rows] = out[rows] * torch.exp(lse[:, rows] - lse_new).T[..., None]
+                out[rows] += out_b * torch.exp(lse_b - lse_new).T[..., None]
+                lse[:, rows] = lse_new
             if step < n - 1:
-                _wait(work)
-                kv, meta_kv = kv_next, meta_next
-        ctx.save_for_backward(q, k, v, meta, out, lse)
-        ctx.scale, ctx.group = scale, group
+                wait()
+                kv = kv_next
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.group = plan, scale, group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, meta, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        n, rep = dist.get_world_size(group), q.shape[0] // k.shape[0]
-        dout = dout.float()
-        delta = (dout * out).sum(-1)  # (H, T): rowsum(dO * O), the softmax-backward correction
-        dq = torch.zeros_like(dout)
-        kv, meta_kv = torch.stack([k, v]), meta
+        q, k, v, out, lse = ctx.saved_tensors
+        n, kernel = dist.get_world_size(ctx.group), attn_blocks.kernels_for(q)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its K/V block
         for step in range(n):
-            kb, vb = (x.repeat_interleave(rep, dim=0).float() for x in kv)
-            p = torch.exp(_scores(q, kb, meta, meta_kv, scale) - lse[..., None])  # (H, Tq, Tk) final probs
-            dv = torch.einsum("hqk,hqd->hkd", p, dout)
-            ds = p * (torch.einsum("hqd,hkd->hqk", dout, vb) - delta[..., None])
-            dq += torch.einsum("hqk,hkd->hqd", ds, kb) * scale
-            dk = torch.einsum("hqk,hqd->hkd", ds, q.float()) * scale
-            dkv += torch.stack([dk, dv]).unflatten(1, (k.shape[0], rep)).sum(2)  # fold GQA heads back
-            # Pass the block and its gradient on; after the last step only the gradient goes, back to its owner.
-            work, received = _ring_pass([kv, meta_kv, dkv] if step < n - 1 else [dkv], group)
-            _wait(work)
+            if step < n - 1:  # the K/V block can travel while it is used; its gradient only after this step
+                wait, (kv_next,) = _ring_pass([kv], ctx.group)
+            for rows, cols, cu in ctx.plan[step]:
+                # The kernel gets the final output and log-sum-exp of the rows: P = exp(S - lse) is then the
+                # piece's share of the full softmax, and the gradients are exact (see docs/ring_attention.md).
+                dq_b, dk_b, dv_b = kernel.backward(
+                    dout[rows], q[rows], kv[0, cols], kv[1, cols], out[rows], lse[:, rows], cu, ctx.scale
+                )
+                dq[rows] += dq_b
+                dkv[0, cols] += dk_b
+                dkv[1, cols] += dv_b
+            if n > 1:  # after the last step the accumulator makes one more hop: home to the block's owner
+                wait_dkv, (dkv,) = _ring_pass([dkv], ctx.group)
+                wait_dkv()
             if step < n - 1:
-                kv, meta_kv, dkv = received
-            else:
-                (dkv,) = received
+                wait()
+                kv = kv_next
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

@@ -149,11 +149,7 @@ def _versions() -> dict:
 
 def _git_sha() -> str | None:
     try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or None
-        )
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    return out.stdout.strip() or None

@@ -15,9 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import REPO
 
+from common import attn_blocks
 from common.ring_attn import (
     enable_ring_attention,
     ring_attention_forward,
+    ring_plan,
     shard_micro_batch,
     sp_groups,
     zigzag_indices,
@@ -55,7 +57,10 @@ def reference_attention(q, k, v, position_ids):
     return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v  # (H, T, D)
 
 
-def _check_ring_attention(rank, world, lengths_cases):
+def _check_ring_attention(rank, world, lengths_cases, kernel="torch"):
+    if kernel == "flash-contract":  # FlashBlocks' plumbing, with a CPU stand-in for flash-attn's kernels
+        attn_blocks._flash_interface = lambda: FlashContract
+        attn_blocks.kernels_for = lambda q: attn_blocks.FlashBlocks
     sp = sp_groups(world, world)
     assert (sp.rank, sp.size, sp.dp_rank, sp.dp_size) == (rank, world, 0, 1)
     module = SimpleNamespace(sp_group=sp.group)
@@ -93,6 +98,110 @@ def test_ring_attention_matches_full_attention(world):
     # one uneven sequence (padded to a multiple of 2k), then several packed into one row, one of length 1,
     # one spanning several zigzag chunks
     spawn(_check_ring_attention, world, [[29], [5, 11, 1, 20], [3, 3, 2]])
+
+
+class FlashContract:
+    """A CPU stand-in for flash_attn.flash_attn_interface (2.7/2.8): the same argument names, int32 cu_seqlens,
+    lse (H, total_q), the backward writing into dq/dk/dv from the given out and lse. Each segment is plain float64
+    attention. It checks how FlashBlocks calls flash-attn, not flash-attn itself (that is the GPU test below)."""
+
+    @staticmethod
+    def _segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and q.is_contiguous() and k.is_contiguous()
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        assert cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
+        assert max_seqlen_q == max(torch.tensor(cu_q).diff()) and max_seqlen_k == max(torch.tensor(cu_k).diff())
+        rep = q.shape[1] // k.shape[1]
+        for i in range(len(cu_q) - 1):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            kr = k[ks].double().repeat_interleave(rep, 1)
+            s = torch.einsum("qhd,khd->hqk", q[qs].double(), kr) * softmax_scale
+            if causal:
+                assert qs.stop - qs.start == ks.stop - ks.start
+                s = s.masked_fill(~torch.ones(s.shape[1:], dtype=torch.bool).tril(), float("-inf"))
+            yield qs, ks, s, rep
+
+    @staticmethod
+    def _flash_attn_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+    ):  # fmt: skip
+        assert dropout_p == 0.0 and (window_size_left, window_size_right, softcap) == (-1, -1, 0.0)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])
+        segs = (q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        for qs, ks, s, rep in FlashContract._segments(*segs):
+            lse[:, qs] = torch.logsumexp(s, -1).float()
+            out[qs] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v[ks].double().repeat_interleave(rep, 1))
+        return out, lse, None, None
+
+    @staticmethod
+    def _flash_attn_varlen_backward(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+        deterministic, rng_state=None,
+    ):  # fmt: skip
+        assert dout.dtype == out.dtype == q.dtype and softmax_lse.is_contiguous() and dq.shape == q.shape
+        dq.zero_(), dk.zero_(), dv.zero_()
+        segs = (q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        for qs, ks, s, rep in FlashContract._segments(*segs):
+            p = torch.exp(s - softmax_lse[:, qs, None].double())
+            do, vr = dout[qs].double(), v[ks].double().repeat_interleave(rep, 1)
+            ds = p * (torch.einsum("qhd,khd->hqk", do, vr) - (do * out[qs]).sum(-1).T[..., None])
+            dq[qs] = torch.einsum("hqk,khd->qhd", ds, k[ks].double().repeat_interleave(rep, 1)) * softmax_scale
+            dk[ks] = (torch.einsum("hqk,qhd->khd", ds, q[qs].double()) * softmax_scale).unflatten(1, (-1, rep)).sum(2)
+            dv[ks] = torch.einsum("hqk,qhd->khd", p, do).unflatten(1, (-1, rep)).sum(2)
+
+
+def test_flash_blocks_call_flash_attn_as_documented():
+    # the ring on 2 ranks with FlashBlocks, flash-attn's kernels replaced by FlashContract: the rectangle and
+    # causal-segment pieces must reach the kernels with the right cu_seqlens, causal flag, lse and out
+    spawn(_check_ring_attention, 2, [[29], [5, 11, 1, 20]], "flash-contract")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ring_plan_covers_the_causal_mask_exactly_once(n):
+    gen = torch.Generator().manual_seed(n)
+    for _ in range(30):
+        T = 2 * n * int(torch.randint(1, 7, (), generator=gen))
+        cuts = sorted(set(torch.randint(1, T, (int(torch.randint(0, 5, (), generator=gen)),), generator=gen).tolist()))
+        lengths = torch.tensor([0, *cuts, T]).diff()  # packed sequences of random lengths
+        starts = torch.repeat_interleave(torch.tensor([0, *cuts]), lengths)  # (T,) global index of each seq start
+        g = torch.arange(T)
+        allowed = (g[None, :] <= g[:, None]) & (starts[None, :] == starts[:, None])
+        covered = torch.zeros(T, T, dtype=torch.long)
+        for rank in range(n):
+            mine = zigzag_indices(T, rank, n)
+            for step, pieces in enumerate(ring_plan(starts, rank, n)):
+                visiting = zigzag_indices(T, (rank - step) % n, n)
+                for rows, cols, cu in pieces:
+                    r, c = mine[rows], visiting[cols]
+                    if cu is None:
+                        mask = torch.ones(len(r), len(c), dtype=torch.long)
+                    else:  # causal inside each segment [cu[i], cu[i+1])
+                        seg = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+                        mask = ((seg[:, None] == seg[None, :]) & torch.ones(len(r), len(c)).tril().bool()).long()
+                    covered[r[:, None], c[None, :]] += mask
+        assert torch.equal(covered, allowed.long()), f"sp {n}, lengths {lengths.tolist()}"
+
+
+@pytest.mark.gpu
+def test_flash_blocks_match_torch_blocks():
+    if attn_blocks._flash_interface() is None:
+        pytest.skip("flash-attn >= 2.7 is not installed")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for Tq, Tk, cu in [(24, 31, None), (40, 40, [0, 5, 17, 18, 40])]:  # a rectangle; causal packed segments
+        q = torch.randn(Tq, 8, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(Tk, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        dout = torch.randn(Tq, 8, 64, generator=gen, device="cuda")
+        assert attn_blocks.kernels_for(q) is attn_blocks.FlashBlocks
+        out_t, lse_t = attn_blocks.TorchBlocks.forward(q, k, v, cu, 0.125)
+        out_f, lse_f = attn_blocks.FlashBlocks.forward(q, k, v, cu, 0.125)
+        torch.testing.assert_close(lse_f, lse_t, atol=2e-2, rtol=0)
+        torch.testing.assert_close(out_f, out_t, atol=2e-2, rtol=2e-2)
+        grads_t = attn_blocks.TorchBlocks.backward(dout, q, k, v, out_t, lse_t, cu, 0.125)
+        grads_f = attn_blocks.FlashBlocks.backward(dout, q, k, v, out_t, lse_t, cu, 0.125)
+        for name, f, t in zip("qkv", grads_f, grads_t):
+            assert (f - t).norm() / t.norm() < 2e-2, f"d{name}, cu {cu}"
 
 
 def test_shard_micro_batch_zigzag_layout():
