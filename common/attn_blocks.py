@@ -89,6 +89,7 @@ class FlashBlocks:
 
 
 def kernels_for(q: torch.Tensor):
-    """FlashBlocks where flash-attn can run these queries (CUDA, fp16/bf16, head dim a multiple of 8 up to 256)."""
-    usable = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    """FlashBlocks where flash-attn runs (Ampere or newer, fp16/bf16, head dim a multiple of 8 up to 256)."""
+    d, half = q.shape[-1], q.dtype in (torch.float16, torch.bfloat16)
+    usable = q.is_cuda and half and d % 8 == 0 and d <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8
     return FlashBlocks if usable and _flash_interface() is not None else TorchBlocks

@@ -209,8 +209,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         n, kernel = dist.get_world_size(ctx.group), attn_blocks.kernels_for(q)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        dq, kv = torch.zeros(q.shape, dtype=torch.float32, device=q.device), torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its K/V block
         for step in range(n):
             if step < n - 1:  # the K/V block can travel while it is used; its gradient only after this step
