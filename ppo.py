@@ -383,6 +383,10 @@ def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.
 
 # TRY NOT TO MODIFY: what the policy and critic actors share: a checkpoint of their FSDP2 model and optimizer.
 class ShardedModel:
+    def local_part(self, mb: dict) -> dict:
+        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k zigzag chunks."""
+        return shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+
     def save(self, path: str, step: int, with_optimizer: bool):
         """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -433,7 +437,7 @@ class Trainer(ShardedModel):
         self.model.eval()
         out = []
         for mb in micro_batches:  # filler micro-batches (loss_scale 0) still run: FSDP's collectives need them
-            mb = shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+            mb = self.local_part(mb)
             inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], self.args.temperature)
             logprobs, ref_logprobs = compute_logprobs(self.model, *inputs), compute_logprobs(self.ref, *inputs)
             if mb["loss_scale"].item():
@@ -447,13 +451,7 @@ class Trainer(ShardedModel):
         args, stats = self.args, defaultdict(float)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.learning_rate)
-        minibatches = [
-            [
-                shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
-                for mb in mini
-            ]
-            for mini in minibatches
-        ]  # with --sp-size k this rank holds 2 of each row's 2k zigzag chunks; each token's loss is on one rank
+        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]  # SP: each token on one rank
         self.model.train()
         for _ in range(args.num_epochs):
             for mini in minibatches:
@@ -507,7 +505,7 @@ class Critic(ShardedModel):
         self.model.eval()
         out = []
         for mb in micro_batches:
-            mb = shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+            mb = self.local_part(mb)
             values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
             if mb["loss_scale"].item():
                 m = mb["loss_mask"][0].bool()
@@ -519,13 +517,7 @@ class Critic(ShardedModel):
         args, stats = self.args, defaultdict(float)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.critic_learning_rate)
-        minibatches = [
-            [
-                shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
-                for mb in mini
-            ]
-            for mini in minibatches
-        ]  # with --sp-size k this rank holds 2 of each row's 2k zigzag chunks; each token's loss is on one rank
+        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]  # SP: each token on one rank
         self.model.train()
         for _ in range(args.num_epochs):
             for mini in minibatches:

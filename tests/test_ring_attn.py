@@ -1,7 +1,8 @@
-"""Ring attention (common/ring_attn.py) against full causal attention, on CPU ranks joined by gloo.
+"""Ring attention (common/ring_attn.py, common/attn_blocks.py) against full causal attention.
 
-Every test spawns real processes (torch.multiprocessing, no Ray); each rank computes the reference itself on
-the whole row and checks its own shard of the ring's result against it.
+The ring tests spawn real processes joined by gloo (torch.multiprocessing, no Ray); each rank computes the
+reference itself on the whole row and checks its own shard of the ring's result against it. ring_plan is
+checked directly; the flash-attn kernels only on CUDA (GPU tier).
 """
 
 import os
