@@ -40,8 +40,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
 from common.engines import spawn_engines
-from common.model import BUILTIN_MODEL, resolve_model
+from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
 from common.placement import (
+    Layout,
     call,
     check_devices,
     init_distributed,
@@ -140,8 +141,9 @@ class Args:
     """rollout + training steps"""
     prompts_per_step: int = 6
     """prompts per rollout batch (each sampled G times)"""
-    max_tokens_per_micro_batch: int = 512
-    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
+    max_tokens_per_micro_batch: int | None = None
+    """token budget of one packed micro-batch on one rank (default: 512, or one longest prompt + response if more;
+    raise it on GPU); gradients accumulate over micro-batches"""
     learning_rate: float = 2e-5
     """peak learning rate of AdamW"""
     warmup_steps: int = 2
@@ -156,20 +158,20 @@ class Args:
 
 # ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
 def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Load a causal LM and shard it with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
 
-    Master weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    The model is built on the meta device and sharded before any weight exists; then rank 0 reads the checkpoint
+    and broadcasts it, each rank keeping only its shard (common/model.py). Master weights stay fp32; on GPU the
+    forward/backward run in bf16 and gradients are reduced in fp32.
     """
-    use_flash = device.type == "cuda" and _has_flash_attn()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="flash_attention_2" if use_flash else "sdpa"
-    ).to(device)
+    model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
     fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    load_weights(model, AutoModelForCausalLM, path, device)
     return model
 
 
@@ -311,7 +313,7 @@ class Trainer:
         )
 
     def push_weights(self):
-        self.weight_sync.send_weights()
+        self.weight_sync.push()
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
         """num_epochs passes, one optimizer step per minibatch of micro-batches. Returns sums for the driver."""
@@ -368,6 +370,8 @@ class Trainer:
                 stats["grad_norms"] += grad_norm.item()  # the global norm: the same on every rank
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        if self.args.colocate:  # hand the cached activation memory back: the colocated engine wakes up next
+            torch.cuda.empty_cache()
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         return dict(stats)
 
@@ -388,12 +392,6 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
 
 
-def _has_flash_attn() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args) -> list[list[dict]]:
     """Split the prompts over the engines, sample n responses each; results in prompt order."""
     k = len(engines)
@@ -406,15 +404,17 @@ def generate(engines: list, prompts: list[list[int]], n: int, temperature: float
     return results
 
 
-def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
-    G = args.num_generations
-    if G < 2:
+def validate_args(args: Args) -> None:
+    """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
+
+    Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
+    """
+    if args.num_generations < 2:
         raise InputError("--num-generations must be at least 2: the group is the baseline")
     if args.sp_size < 1 or args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
-    if (args.prompts_per_step * G) % (args.num_minibatches * dp_size):
+    if (args.prompts_per_step * args.num_generations) % (args.num_minibatches * dp_size):
         raise InputError(
             "--prompts-per-step x --num-generations must divide into --num-minibatches x data-parallel groups"
         )
@@ -422,10 +422,19 @@ def main(args: Args):
         raise InputError(
             "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and --num-engines = --num-trainers"
         )
-    if args.max_tokens_per_micro_batch < args.max_prompt_length + args.max_response_length:
-        raise InputError("--max-tokens-per-micro-batch must fit one prompt + response")
+    longest = args.max_prompt_length + args.max_response_length
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = max(512, longest)
+    if args.max_tokens_per_micro_batch < longest:
+        raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
     if args.max_sampling_rounds < 1 or args.overlong_buffer < 0:  # DAPO (dynamic-sampling): check the new fields
         raise InputError("--max-sampling-rounds must be at least 1 and --overlong-buffer at least 0")
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    validate_args(args)
+    G, dp_size = args.num_generations, args.num_trainers // args.sp_size
     resume_step, run_dir = 0, None
     if args.resume:
         run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
@@ -468,22 +477,26 @@ def main(args: Args):
         ]
 
     # ---- start Ray, place trainers and engines, connect them for weight sync ----
-    init_ray(use_gpu, args.num_trainers + args.num_engines)
-    bundles = [1] * args.num_trainers + ([] if args.colocate else [args.engine_tp] * args.num_engines)
-    pg = make_placement_group(bundles, use_gpu)
+    layout = Layout(use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate)
+    init_ray(use_gpu, len(layout.bundles))
+    pg = make_placement_group(layout.bundles, use_gpu)
     start_from = resume_ckpt if args.resume else model_path
-    trainers = spawn_trainers(
-        Trainer, args.num_trainers, pg, args, start_from, num_gpus=0.5 if args.colocate else int(use_gpu)
-    )
-    memory = args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0)
-    first_engine_bundle = 0 if args.colocate else args.num_trainers
-    max_len = args.max_prompt_length + args.max_response_length
+    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from)
+    backend = choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
-        args.num_engines, pg, first_engine_bundle, args.engine_tp, start_from, args.seed, choose_backend(use_gpu, args.colocate),
-        max_len, memory, args.colocate, use_gpu,
-    )  # fmt: skip
-    addr, port = rendezvous_address(pg, 0)
-    call(trainers, "init_weight_sync", engines, choose_backend(use_gpu, args.colocate), addr, port)
+        pg,
+        layout.engines,
+        model_path=start_from,
+        seed=args.seed,
+        backend=backend,
+        tp=args.engine_tp,
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        use_gpu=use_gpu,
+        sleep_mode=args.colocate,
+        memory=args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0),
+    )
+    addr, port = rendezvous_address(pg, 0)  # on trainer rank 0's node: it is the sender
+    call(trainers, "init_weight_sync", engines, backend, addr, port)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)

@@ -49,8 +49,16 @@ from common.data import (
     split_for_ranks,
     validate_rows,
 )
-from common.model import BUILTIN_MODEL, resolve_model
-from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
+from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
+from common.placement import (
+    Layout,
+    call,
+    check_devices,
+    init_distributed,
+    init_ray,
+    make_placement_group,
+    spawn_trainers,
+)
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
@@ -116,8 +124,9 @@ class Args:
     """optimizer steps"""
     batch_size: int = 8
     """preference pairs per optimizer step, over all ranks"""
-    max_tokens_per_micro_batch: int = 1024
-    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
+    max_tokens_per_micro_batch: int | None = None
+    """token budget of one packed micro-batch on one rank (default: 1024, or one pair if more; raise it
+    on GPU); gradients accumulate over micro-batches"""
     learning_rate: float = 2e-5
     """peak learning rate of AdamW"""
     warmup_steps: int = 2
@@ -132,20 +141,20 @@ class Args:
 
 # ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
 def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Load a causal LM and shard it with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
 
-    Master weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    The model is built on the meta device and sharded before any weight exists; then rank 0 reads the checkpoint
+    and broadcasts it, each rank keeping only its shard (common/model.py). Master weights stay fp32; on GPU the
+    forward/backward run in bf16 and gradients are reduced in fp32.
     """
-    use_flash = device.type == "cuda" and _has_flash_attn()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="flash_attention_2" if use_flash else "sdpa"
-    ).to(device)
+    model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
     fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    load_weights(model, AutoModelForCausalLM, path, device)
     return model
 
 
@@ -356,25 +365,30 @@ def add_pair_stats(stats: dict, losses: torch.Tensor, rewards: torch.Tensor, sca
         stats[k] = stats.get(k, 0.0) + float(v) * scale
 
 
-def _has_flash_attn() -> bool:
-    import importlib.util
+def validate_args(args: Args) -> None:
+    """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
 
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
+    Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
+    """
     if args.sp_size < 1 or args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     if args.batch_size % dp_size:
         raise InputError(f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups")
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = max(1024, 2 * args.max_length)
     if args.max_tokens_per_micro_batch < 2 * args.max_length:
-        raise InputError("--max-tokens-per-micro-batch must be at least 2 * --max-length (a pair must fit)")
+        raise InputError(f"--max-tokens-per-micro-batch must fit one pair: 2 x --max-length = {2 * args.max_length}")
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
         raise InputError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
     if args.ipo and args.label_smoothing:
         raise InputError("--label-smoothing (cDPO) applies to the sigmoid loss only, not to --ipo")
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    validate_args(args)
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     resume_step, run_dir = 0, None
     if args.resume:
         run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
@@ -415,12 +429,11 @@ def main(args: Args):
     accuracy_prompts = [encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
 
     # ---- start Ray, place the trainers (policy + frozen reference), open the run directory ----
-    init_ray(use_gpu, args.num_trainers)
-    pg = make_placement_group([1] * args.num_trainers, use_gpu)
+    layout = Layout(use_gpu, args.num_trainers)
+    init_ray(use_gpu, len(layout.bundles))
+    pg = make_placement_group(layout.bundles, use_gpu)
     start_from = resume_ckpt if args.resume else model_path
-    trainers = spawn_trainers(
-        Trainer, args.num_trainers, pg, args, start_from, model_path, num_gpus=1 if use_gpu else 0
-    )
+    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from, model_path)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)

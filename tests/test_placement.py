@@ -1,0 +1,180 @@
+"""GPU and multi-node placements, proven on a CPU machine: Ray's logical GPUs and a simulated cluster.
+
+Stand-in actors (no CUDA, no model) are placed with the scripts' own calls (Layout, make_placement_group,
+spawn_trainers, spawn_engines), as each script would place its trainers, critics, engines and reward model.
+Each layout must be scheduled within a minute (an actor that Ray cannot place waits forever), every actor on its
+bundle's node with the GPU share meant for it, colocated actors on one GPU and the others on GPUs of their own.
+"""
+
+import os
+import time
+
+import pytest
+import ray
+from conftest import REPO
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
+
+from common import placement
+from common.engines import spawn_engines
+from common.placement import Layout, make_placement_group, spawn_trainers, wait_started
+
+TESTS_ON_PATH = {"env_vars": {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}}  # stand-ins
+SCHEDULE_S = 60  # generous for starting a dozen worker processes on 2 cores; an unschedulable actor never starts
+
+
+class StandIn:
+    """Takes any constructor arguments; reports where Ray put it."""
+
+    def __init__(self, *args, crash: bool = False, delay: float = 0.0):
+        time.sleep(delay)
+        if crash:
+            raise RuntimeError("stand-in failed to start")
+        self.started_at = time.time()
+
+    def where(self) -> dict:
+        ctx = ray.get_runtime_context()
+        resources = ctx.get_assigned_resources()
+        return {"node": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(), "gpus": resources.get("GPU", 0.0),
+                "cpus": resources.get("CPU", 0.0), "started_at": self.started_at}  # fmt: skip
+
+
+class Trainer(StandIn):  # Ray names actors by class: the errors below name the role
+    pass
+
+
+class Critic(StandIn):
+    pass
+
+
+class Engine(StandIn):
+    pass
+
+
+RemoteTrainer, RemoteCritic, RemoteEngine = (ray.remote(c) for c in (Trainer, Critic, Engine))
+
+
+def place(layout: Layout, tp: int = 1) -> dict[str, list[tuple]]:
+    """Place every actor of `layout` as the scripts do; returns {role: [(slot, where)]}."""
+    pg = make_placement_group(layout.bundles, use_gpu=True)
+    actors = {"trainer": spawn_trainers(RemoteTrainer, pg, layout.trainers, "args", "model")}
+    if layout.critics:
+        actors["critic"] = spawn_trainers(RemoteCritic, pg, layout.critics, "args", "model")
+    if layout.engines:
+        actors["engine"] = spawn_engines(
+            pg, layout.engines, model_path="model", seed=0, backend="nccl", tp=tp, max_model_len=64, memory=0.4,
+            use_gpu=True, engine_cls=RemoteEngine,
+        )  # fmt: skip
+    if layout.reward_model:
+        actors["reward_model"] = [ray.remote(StandIn).options(**layout.reward_model.options(pg)).remote()]
+        wait_started(actors["reward_model"])
+    slots = {"trainer": layout.trainers, "critic": layout.critics, "engine": layout.engines}
+    slots["reward_model"] = [layout.reward_model]
+    placed = {
+        role: list(zip(slots[role], ray.get([a.where.remote() for a in group], timeout=SCHEDULE_S)))
+        for role, group in actors.items()
+    }
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    for role, group in placed.items():
+        for slot, where in group:
+            assert where["node"] == nodes[slot.bundle], f"{role} on bundle {slot.bundle} is not on that bundle's node"
+            assert len(where["gpu_ids"]) == max(1, int(where["gpus"])), (role, where)
+    by_bundle: dict[int, set] = {}
+    for group in placed.values():
+        for slot, where in group:
+            by_bundle.setdefault(slot.bundle, set()).add((where["node"], tuple(sorted(where["gpu_ids"]))))
+    assert all(len(gpus) == 1 for gpus in by_bundle.values()), f"actors of one bundle on different GPUs: {by_bundle}"
+    used = [(node, g) for gpus in by_bundle.values() for node, ids in gpus for g in ids]
+    assert len(used) == len(set(used)), f"two bundles share a GPU: {by_bundle}"
+    for group in actors.values():
+        for a in group:
+            ray.kill(a)
+    ray.util.remove_placement_group(pg)
+    return placed
+
+
+def shares(placed, role):
+    return [(slot.bundle, where["gpus"], where["cpus"]) for slot, where in placed[role]]
+
+
+@pytest.fixture(autouse=True)
+def short_start_timeout(monkeypatch):
+    monkeypatch.setattr(placement, "START_TIMEOUT_S", SCHEDULE_S)
+
+
+@pytest.fixture(scope="module")
+def logical_gpus():
+    ray.init(num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR", runtime_env=TESTS_ON_PATH)
+    yield
+    ray.shutdown()
+
+
+def test_one_gpu_colocated(logical_gpus):
+    """grpo.py --colocate on 1 GPU: trainer and engine share bundle 0; the engine asks for no CPU."""
+    placed = place(Layout(True, trainers=1, engines=1, colocate=True))
+    assert shares(placed, "trainer") == [(0, 0.5, 1.0)]
+    assert shares(placed, "engine") == [(0, 0.5, 0.0)]
+    assert placed["trainer"][0][1]["gpu_ids"] == placed["engine"][0][1]["gpu_ids"]
+
+
+def test_two_gpus_split(logical_gpus):
+    placed = place(Layout(True, trainers=1, engines=1))
+    assert shares(placed, "trainer") == [(0, 1.0, 1.0)]
+    assert shares(placed, "engine") == [(1, 1.0, 1.0)]
+
+
+def test_eight_gpus_four_trainers_two_tp2_engines(logical_gpus):
+    placed = place(Layout(True, trainers=4, engines=2, engine_tp=2), tp=2)
+    assert shares(placed, "trainer") == [(r, 1.0, 1.0) for r in range(4)]
+    assert shares(placed, "engine") == [(4, 2.0, 1.0), (5, 2.0, 1.0)]
+
+
+def test_ppo_critics_and_reward_model(logical_gpus):
+    """ppo.py: policy ranks with colocated engines, a critic group of its own, the reward model on the last GPU."""
+    placed = place(Layout(True, trainers=2, engines=2, colocate=True, critics=2, reward_model=True))
+    assert shares(placed, "trainer") == [(0, 0.5, 1.0), (1, 0.5, 1.0)]
+    assert shares(placed, "engine") == [(0, 0.5, 0.0), (1, 0.5, 0.0)]
+    assert shares(placed, "critic") == [(2, 1.0, 1.0), (3, 1.0, 1.0)]
+    assert shares(placed, "reward_model") == [(4, 1.0, 1.0)]
+    placed = place(Layout(True, trainers=2, engines=1, engine_tp=2, critics=1, reward_model=True), tp=2)
+    assert [b for b, _, _ in shares(placed, "engine")] == [3] and shares(placed, "reward_model") == [(4, 1.0, 1.0)]
+
+
+class SlowEngine(StandIn):
+    def __init__(self, *args):
+        super().__init__(delay=3.0)
+
+
+class CrashingEngine(StandIn):
+    def __init__(self, *args):
+        super().__init__(crash=True)
+
+
+def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
+    """Nothing may rendezvous with an engine still loading: spawn_engines waits, and names one that crashed."""
+    layout = Layout(True, trainers=1, engines=1)
+    pg = make_placement_group(layout.bundles, use_gpu=True)
+    options = dict(model_path="model", seed=0, backend="nccl", tp=1, max_model_len=64, memory=0.4, use_gpu=True)
+    engines = spawn_engines(pg, layout.engines, **options, engine_cls=ray.remote(SlowEngine))
+    returned_at = time.time()
+    assert ray.get(engines[0].where.remote())["started_at"] <= returned_at
+    ray.kill(engines[0])
+    with pytest.raises(RuntimeError, match=r"^CrashingEngine#0 died during start-up: .*stand-in failed to start"):
+        spawn_engines(pg, layout.engines, **options, engine_cls=ray.remote(CrashingEngine))
+    ray.util.remove_placement_group(pg)
+
+
+def test_two_nodes_of_eight_gpus():
+    """8 trainer ranks and 4 engines of TP 2 over two simulated 8-GPU nodes."""
+    ray.shutdown()  # the logical-GPU instance of the tests above
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 8})
+    cluster.add_node(num_cpus=8, num_gpus=8)
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR", runtime_env=TESTS_ON_PATH)
+        placed = place(Layout(True, trainers=8, engines=4, engine_tp=2), tp=2)
+        nodes = {where["node"] for group in placed.values() for _, where in group}
+        assert len(nodes) == 2
+        assert shares(placed, "engine") == [(8 + i, 2.0, 1.0) for i in range(4)]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
