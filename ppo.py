@@ -681,7 +681,7 @@ def main(args: Args):
     layout = Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate, args.num_critics, use_reward_model
     )
-    init_ray(use_gpu, len(layout.bundles))
+    init_ray(len(layout.bundles))
     pg = make_placement_group(layout.bundles, use_gpu)
     start_from = resume_ckpt if args.resume else model_path
     trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from, model_path)

@@ -362,7 +362,7 @@ def main(args: Args):
 
     # ---- start Ray, place the trainers, open the run directory ----
     layout = Layout(use_gpu, args.num_trainers)
-    init_ray(use_gpu, len(layout.bundles))
+    init_ray(len(layout.bundles))
     pg = make_placement_group(layout.bundles, use_gpu)
     start_from = resume_ckpt if args.resume else model_path
     trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from)

@@ -87,12 +87,14 @@ class Engine:
 
     def finish_weight_update(self, version: int):
         self.llm.collective_rpc("finish_weight_update")
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        if not self.llm.reset_prefix_cache():  # cached KV blocks were computed by the old weights
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update (requests running?)")
         self.version = version
 
     def sleep(self):
-        """Free the GPU for training (level 1: weights to CPU RAM, KV cache dropped). CUDA only."""
-        self.llm.sleep(level=1)
+        """Free the GPU for training. CUDA only. Level 2 drops the weights too, instead of copying them to host
+        RAM and back (level 1): the trainer sends every weight before the engine runs again."""
+        self.llm.sleep(level=2)
 
     def wake_up(self, tags: list[str] | None = None):
         self.llm.wake_up(tags)

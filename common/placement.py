@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.data import REPO_ROOT, InputError
@@ -25,19 +25,25 @@ START_TIMEOUT_S = float(os.environ.get("POSTTRAIN_START_TIMEOUT", 1800))
 
 
 def check_devices(num_gpus: int) -> bool:
-    """Whether to use CUDA; exits with one line if a CUDA job asks for more GPUs than are visible."""
-    import torch
+    """Whether the job runs on GPUs; exits with one line if it needs more GPUs than there are.
 
-    if not torch.cuda.is_available():
-        return False
-    visible = torch.cuda.device_count()
-    if num_gpus > visible and "RAY_ADDRESS" not in os.environ:  # on a Ray cluster the GPUs are elsewhere
-        raise InputError(f"this job needs {num_gpus} GPUs but {visible} are visible")
-    return True
+    Alone: the GPUs this machine shows. On a Ray cluster ($RAY_ADDRESS): the cluster's GPUs, whatever the
+    driver's own node has (a KubeRay head pod usually has none); this joins the cluster to count them.
+    """
+    if "RAY_ADDRESS" in os.environ:
+        init_ray()
+        have, where = int(ray.cluster_resources().get("GPU", 0)), f"the Ray cluster at {os.environ['RAY_ADDRESS']}"
+    else:
+        import torch
+
+        have, where = (torch.cuda.device_count() if torch.cuda.is_available() else 0), "this machine"
+    if have and num_gpus > have:
+        raise InputError(f"this job needs {num_gpus} GPUs but {where} has {have}")
+    return have > 0
 
 
-def init_ray(use_gpu: bool, num_bundles: int) -> None:
-    """Start a local Ray instance (or join the cluster in $RAY_ADDRESS), quietly."""
+def init_ray(num_bundles: int = 0) -> None:
+    """Start a local Ray instance with room for `num_bundles` bundles, or join the cluster in $RAY_ADDRESS."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -100,6 +106,11 @@ def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
         ray.get(pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(f"Ray could not reserve the bundles {bundles} within 300 s") from None
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    if len(set(nodes.values())) > 1:  # on a cluster, say where everything went
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        where = ", ".join(f"{i}: {nodes[i][:8]} ({ips.get(nodes[i], '?')})" for i in sorted(nodes))
+        print(f"placement: bundle -> node: {where}", flush=True)
     return pg
 
 

@@ -39,7 +39,10 @@ class Run:
     """Owns the run directory and writes every metric row to console, metrics.jsonl and (with --track) wandb."""
 
     def __init__(self, args, run_dir: str | None = None, resume_step: int = 0):
-        self.dir = run_dir or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+        # Absolute: trainer rank 0 writes the checkpoints, from its own working directory (on a cluster, its node)
+        self.dir = os.path.abspath(
+            run_dir or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time())}")
+        )
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
         self.metrics_path = os.path.join(self.dir, "metrics.jsonl")
         if resume_step:  # forget rows logged after the checkpoint we resume from

@@ -55,15 +55,15 @@ class EngineClient:
 class WeightSync:
     """A trainer rank's end of the weight sync: `.push()` sends the current weights as the engines' next version."""
 
-    def __init__(self, transfer):
-        self.transfer = transfer  # vLLM's trainer-side weight-transfer engine
+    def __init__(self, transfer, colocated: bool):
+        self.transfer, self.colocated = transfer, colocated  # vLLM's trainer-side weight-transfer engine
 
     def push(self) -> None:
         on_cuda = torch.cuda.is_available()
         if on_cuda:  # vLLM gathers and packs on streams of its own: the optimizer step's kernels must land first
             torch.cuda.synchronize()
         self.transfer.send_weights()
-        if on_cuda:  # return the gathered copies' cached blocks: a colocated engine wakes its KV cache next
+        if on_cuda and self.colocated:  # return the gathered copies' memory: the engine wakes its KV cache next
             torch.cuda.empty_cache()
 
 
@@ -76,17 +76,20 @@ def init_weight_sync(
     Weights travel in the engines' dtype (bf16 on GPU): half the bytes of the fp32 master weights.
     """
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import materialize_full_tensor
 
     class CastSource(ModuleSource):
+        """The model's parameters in the engines' dtype: each FSDP2 shard is cast, then gathered (half the bytes)."""
+
         def metadata(self):
             return [type(m)(m.name, dtype, m.shape) for m in super().metadata()]
 
         def __iter__(self):
-            for name, tensor in super().__iter__():
-                tensor = tensor.to(dtype)
-                if tensor.is_cuda:  # over CUDA IPC another process reads this copy: it must exist before that
-                    torch.cuda.current_stream().synchronize()
-                yield name, tensor
+            with torch.no_grad():
+                for name, param in self._module.named_parameters():
+                    yield name, materialize_full_tensor(param.detach().to(dtype))  # all-gather: a collective
+            if torch.cuda.is_available():  # over CUDA IPC another process reads the copies: they must be complete
+                torch.cuda.current_stream().synchronize()
 
     world_size = 1 + len(engines) * tp
     if backend == "gloo":
@@ -100,8 +103,12 @@ def init_weight_sync(
     elif backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        info = IPCTrainerInitInfo(rank=rank)
+        # packed: the weights go through one reused buffer (1 GiB, or the largest tensor: it must fit one) instead
+        # of a full bf16 copy on every GPU
+        largest = max(p.numel() for p in model.parameters()) * dtype.itemsize
+        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=max(2**30, largest))
     else:
         raise ValueError(f"unknown weight-sync backend {backend!r}")
     client = EngineClient(engines, tp)
-    return WeightSync(WeightTransferTrainerFactory.trainer_init(info, client=client, source=CastSource(model)))
+    transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=CastSource(model))
+    return WeightSync(transfer, colocated=backend == "ipc")

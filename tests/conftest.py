@@ -68,8 +68,8 @@ def tiny_model_untied(tmp_path_factory, tokenizer):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_untied") / "model", tokenizer, tie=False, seed=1)
 
 
-def run_script(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run(
         [sys.executable, os.path.join(REPO, script), *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout,

@@ -66,7 +66,7 @@ def test_sequence_logprobs_sum_response_tokens_only(tiny_model, tokenizer):
 
 @pytest.fixture(scope="module")
 def ray_cpu():
-    init_ray(use_gpu=False, num_bundles=4)
+    init_ray(num_bundles=4)
     yield
     ray.shutdown()
 

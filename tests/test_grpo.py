@@ -63,7 +63,7 @@ def test_make_sequence_alignment():
 
 @pytest.fixture(scope="module")
 def ray_cpu():
-    init_ray(use_gpu=False, num_bundles=4)
+    init_ray(num_bundles=4)
     yield
     ray.shutdown()
 
@@ -163,3 +163,22 @@ def test_long_prompts_fail_before_generation(tiny_model, tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode != 0 and "longer than --max-prompt-length 10" in last, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+
+
+# GPU tier: the recommended one-GPU mode end to end. The engine shares the trainer's GPU (each asks Ray for half of
+# it), sleeps while the trainer trains, and takes the weights by CUDA IPC. bf16 on both sides: the probe's
+# tolerance is bf16's, and a missed weight update would still fail it (the learning rate moves the weights).
+@pytest.mark.gpu
+@pytest.mark.parametrize("trainers", [1, 2], ids=["1gpu", "2gpu"])
+def test_grpo_colocated_on_gpu(trainers, tiny_model, tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < trainers:
+        pytest.skip(f"needs {trainers} GPUs")
+    extra = ("--num-steps", "3", "--colocate", "--num-trainers", str(trainers), "--num-engines", str(trainers))
+    result = run_script("grpo.py", *grpo_args(tiny_model, tmp_path, *extra, "--learning-rate", "1e-3"), timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["train/logprob_diff_mean"] < 2e-2 for r in rows[2:])  # steps 2, 3 sampled by pushed weights
+    assert rows[-1]["time/sync"] < 60

@@ -11,13 +11,13 @@ import time
 
 import pytest
 import ray
-from conftest import REPO
+from conftest import REPO, only_run_dir, read_jsonl, run_script
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
 from common import placement
 from common.engines import spawn_engines
-from common.placement import Layout, make_placement_group, spawn_trainers, wait_started
+from common.placement import Layout, check_devices, make_placement_group, spawn_trainers, wait_started
 
 TESTS_ON_PATH = {"env_vars": {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}}  # stand-ins
 SCHEDULE_S = 60  # generous for starting a dozen worker processes on 2 cores; an unschedulable actor never starts
@@ -164,17 +164,44 @@ def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
     ray.util.remove_placement_group(pg)
 
 
-def test_two_nodes_of_eight_gpus():
-    """8 trainer ranks and 4 engines of TP 2 over two simulated 8-GPU nodes."""
+def test_two_nodes_of_eight_gpus(monkeypatch):
+    """8 trainer ranks and 4 engines of TP 2 over two simulated 8-GPU nodes, joined as the scripts join a cluster."""
     ray.shutdown()  # the logical-GPU instance of the tests above
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 8})
     cluster.add_node(num_cpus=8, num_gpus=8)
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))  # init_ray adds it for the actors: the stand-ins
     try:
-        ray.init(address=cluster.address, logging_level="ERROR", runtime_env=TESTS_ON_PATH)
+        # The driver's machine shows no GPU (like a KubeRay head pod): the cluster's GPUs decide.
+        assert check_devices(16)
+        with pytest.raises(SystemExit, match=r"^error: this job needs 17 GPUs but the Ray cluster at .* has 16$"):
+            check_devices(17)
         placed = place(Layout(True, trainers=8, engines=4, engine_tp=2), tp=2)
         nodes = {where["node"] for group in placed.values() for _, where in group}
         assert len(nodes) == 2
         assert shares(placed, "engine") == [(8 + i, 2.0, 1.0) for i in range(4)]
     finally:
         ray.shutdown()
+        cluster.shutdown()
+
+
+def test_grpo_on_two_nodes_trainer_and_engine_apart(tiny_model, tmp_path):
+    """grpo.py joins a running cluster through RAY_ADDRESS. Each simulated node has one CPU, so its trainer and
+    its engine must land on different nodes; the weights then travel between nodes, and the rendezvous
+    address comes from trainer rank 0's node."""
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    try:
+        flags = ("--model", tiny_model, "--output-dir", str(tmp_path), "--num-generations", "4", "--prompts-per-step",
+                 "4", "--max-response-length", "8", "--engine-memory", "0.25", "--num-steps", "2")  # fmt: skip
+        result = run_script("grpo.py", *flags, env={"RAY_ADDRESS": cluster.address})
+        assert result.returncode == 0, result.stderr[-3000:]
+        line = next(x for x in result.stdout.splitlines() if x.startswith("placement: bundle -> node: "))
+        nodes = [part.split(": ")[1].split()[0] for part in line.split("node: ", 1)[1].split(", ")]
+        assert len(nodes) == 2 and nodes[0] != nodes[1], line  # bundle 0: the trainer, bundle 1: the engine
+        rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert rows[-1]["train/logprob_diff_max"] < 1e-4  # step 2 sampled with the weights sent across nodes
+    finally:
         cluster.shutdown()

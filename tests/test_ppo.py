@@ -171,3 +171,17 @@ def test_sp2_matches_one_rank(tiny_model, tmp_path):
     first, second = rows["one"]
     assert first["train/grad_norm"] > 1e-3 and first["train/critic_grad_norm"] > 1e-3 and first["train/value_loss"] > 0
     assert abs(second["rollout/value_mean"]) > 1e-4  # step 2's values come from the trained critic, not its zero head
+
+
+# GPU tier: policy rank colocated with its engine on GPU 0 (CUDA IPC), the critic on GPU 1.
+@pytest.mark.gpu
+def test_ppo_colocated_on_gpu(tiny_model, tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (policy + engine, critic)")
+    result = run_script("ppo.py", *ppo_args(tiny_model, tmp_path, "--num-steps", "2", "--colocate"), timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[2]["train/logprob_diff_mean"] < 2e-2  # bf16 engine and trainer

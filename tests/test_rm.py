@@ -72,7 +72,7 @@ def test_reward_is_read_at_the_last_real_token(reward_model, tokenizer):
 
 @pytest.fixture(scope="module")
 def ray_cpu():
-    init_ray(use_gpu=False, num_bundles=4)
+    init_ray(num_bundles=4)
     yield
     ray.shutdown()
 

@@ -62,7 +62,7 @@ def test_batch_rows_is_a_function_of_the_step():
 
 @pytest.fixture(scope="module")
 def ray_cpu():
-    init_ray(use_gpu=False, num_bundles=4)
+    init_ray(num_bundles=4)
     yield
     ray.shutdown()
 

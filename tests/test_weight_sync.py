@@ -71,7 +71,7 @@ def sample_and_score(engines, trainers, prompts, temperature):
 
 @pytest.fixture(scope="module")
 def ray_cpu():
-    init_ray(use_gpu=False, num_bundles=4)
+    init_ray(num_bundles=4)
     yield
     ray.shutdown()
 
@@ -116,7 +116,7 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
     colocate = backend == "ipc"
     if not colocate and torch.cuda.device_count() < 2:
         pytest.skip("nccl sync needs 2 GPUs (one trainer, one engine)")
-    init_ray(use_gpu=True, num_bundles=2)
+    init_ray(num_bundles=2)
     try:
         layout = Layout(True, trainers=1, engines=1, colocate=colocate)
         pg = make_placement_group(layout.bundles, use_gpu=True)

@@ -1,0 +1,133 @@
+"""The CUDA-only parts of the scripts, checked on CPU: every documented command passes argument validation,
+flash-attn is chosen only where it runs, the weight push waits for the optimizer step and frees the CUDA
+cache, and a colocated trainer hands its cached memory back before the engine wakes."""
+
+import importlib
+import shlex
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import tyro
+
+from common import model as common_model
+from common.data import split_for_ranks
+from common.weight_sync import WeightSync
+
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo"]
+
+
+def docstring_commands(module) -> list[list[str]]:
+    """The `python <script>.py ...` commands of a script's "Run it:" section, as argv lists (comments dropped)."""
+    text = module.__doc__.split("Run it:", 1)[1]
+    commands, current = [], ""
+    for line in text.splitlines():
+        current += " " + line.strip()
+        if current.rstrip().endswith("\\"):
+            current = current.rstrip()[:-1]
+            continue
+        argv = shlex.split(current, comments=True)
+        if argv:
+            commands.append(argv)
+        current = ""
+    return commands
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_documented_commands_pass_validation(name):
+    module = importlib.import_module(name)
+    commands = docstring_commands(module)
+    assert len(commands) >= 3, commands  # CPU demo, 1 GPU, 8 GPUs
+    for argv in commands:
+        assert argv[:2] == ["python", f"{name}.py"], argv
+        args = tyro.cli(module.Args, args=argv[2:])
+        module.validate_args(args)  # raises SystemExit("error: ...") on a rejected combination
+        assert args.max_tokens_per_micro_batch is not None
+
+
+@pytest.mark.parametrize(
+    "name,flags,longest,budget",
+    [("grpo", ["--max-response-length", "1024"], 1280, 1280), ("dapo", [], 280, 512),
+     ("ppo", ["--max-prompt-length", "900"], 924, 924), ("sft", ["--max-length", "2048"], 2048, 2048),
+     ("rm", ["--max-length", "700"], 1400, 1400), ("dpo", [], 1024, 1024)],
+)  # fmt: skip
+def test_micro_batch_budget_follows_the_sequence_length(name, flags, longest, budget):
+    """Default: the script's usual budget, or one longest sequence (pair) when that is more. A budget the user
+    sets is never raised behind their back: too small, it is rejected with one line."""
+    module = importlib.import_module(name)
+    args = tyro.cli(module.Args, args=flags)
+    module.validate_args(args)
+    assert args.max_tokens_per_micro_batch == budget
+    too_small = tyro.cli(module.Args, args=[*flags, "--max-tokens-per-micro-batch", str(longest - 1)])
+    with pytest.raises(SystemExit, match=f"^error: --max-tokens-per-micro-batch must fit .*{longest}"):
+        module.validate_args(too_small)
+
+
+@pytest.mark.parametrize(
+    "capability,installed,want", [((8, 0), True, "flash_attention_2"), ((9, 0), True, "flash_attention_2"),
+                                  ((7, 5), True, "sdpa"), ((8, 0), False, "sdpa")],
+)  # fmt: skip
+def test_flash_attention_only_where_it_runs(monkeypatch, capability, installed, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        common_model.importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if installed else None) if name == "flash_attn" else real_find_spec(name, *a),
+    )
+    assert common_model.attn_implementation(torch.device("cuda", 0)) == want
+    assert common_model.attn_implementation(torch.device("cpu")) == "sdpa"
+
+
+def test_push_waits_for_the_optimizer_step_and_frees_the_cache(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+
+    class Transfer:
+        def send_weights(self):
+            events.append("send_weights")
+
+    WeightSync(Transfer(), colocated=True).push()
+    assert events == ["synchronize", "send_weights", "empty_cache"]
+    events.clear()
+    WeightSync(Transfer(), colocated=False).push()  # no engine on this GPU: the next step reuses the cache
+    assert events == ["synchronize", "send_weights"]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A world-1 gloo group in this process, for building a script's Trainer without Ray."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    yield "127.0.0.1", port
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def one_micro_batch(module, **per_token):
+    seq = module.make_sequence([5, 6, 7], [8, 9], **{k: [v, v] for k, v in per_token.items()})
+    return split_for_ranks([seq], 1, 64)  # [rank 0: [micro-batch]]
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "ppo"])
+def test_colocated_trainer_frees_cuda_cache_after_train_step(monkeypatch, one_rank_group, tiny_model, name):
+    """Colocated, vLLM wakes its weights on this GPU right after train_step: the step's cached blocks go back first."""
+    module = importlib.import_module(name)
+    addr, port = one_rank_group
+    args = module.Args(colocate=True, learning_rate=1e-4)
+    paths = (tiny_model, tiny_model) if name == "ppo" else (tiny_model,)  # ppo.py: policy and reference
+    trainer = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
+    extra = {"old_logprobs": -1.0} if name == "ppo" else {"engine_logprobs": -1.0}
+    micro_batches = one_micro_batch(module, advantages=1.0, loss_weights=0.5, **extra)
+    freed = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(True))
+    trainer.train_step(micro_batches, 0)
+    assert freed, f"{name}.py's colocated train_step did not call torch.cuda.empty_cache()"
+    freed.clear()
+    trainer.args.colocate = False
+    trainer.train_step(micro_batches, 1)
+    assert not freed  # not colocated: the cache stays, the next step reuses it
