@@ -6,7 +6,8 @@ plain:  what every script did before: each rank calls from_pretrained (the whole
 scripts: sft.py's load_policy (the loader of every script): the model built on the meta device and sharded,
          rank 0 alone reads the checkpoint and broadcasts it; each rank keeps its shard.
 The model has random weights and a Llama shape of 1.0B parameters (benchmark/random_model.py's llama-1b:
-hidden 2048, 20 layers, MLP 5632, vocab 49152, tied embeddings), saved once as fp32 safetensors under --cache.
+hidden 2048, 20 layers, MLP 5632, vocab 49152, tied embeddings), saved once in bf16 like hub checkpoints
+(2.0 GB of safetensors) under --cache; both loaders make fp32 master weights of it.
 Each loader runs in fresh processes (gloo, CPU). Reported per rank: the peak resident set (VmHWM, which also
 counts the pages of the memory-mapped checkpoint that the rank read) and the seconds the load took.
 """
@@ -60,7 +61,7 @@ def worker(rank, world, port, loader, path, results):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--cache", default="/tmp/posttrain-bench/llama-1b-random")
+    parser.add_argument("--cache", default="/tmp/posttrain-bench/llama-1b-random-bf16")
     args = parser.parse_args()
     make_random_model("llama-1b", args.cache)
     print("| loader | rank | RSS before (GiB) | peak RSS (GiB) | RSS after (GiB) | load (s) | params held |")

@@ -3,8 +3,9 @@
     .venv/bin/python benchmark/random_model.py qwen2.5-0.5b /tmp/posttrain-bench/qwen2.5-0.5b-random
 
 Shapes: qwen2.5-0.5b and qwen2.5-1.5b (Qwen2.5's configs, vocab cut to the built-in tokenizer's 49152), and
-llama-1b (1.0B parameters, for the loading benchmark). Weights are fp32 safetensors. Random weights rarely
-sample EOS, so generation runs to the length limit: what a throughput benchmark wants.
+llama-1b (1.0B parameters, for the loading benchmark). Weights are saved in bf16, as hub checkpoints are (the
+trainers load them into fp32 master weights). Random weights rarely sample EOS, so generation runs to the
+length limit: what a throughput benchmark wants.
 """
 
 import os
@@ -40,7 +41,7 @@ def make_random_model(shape: str, path: str) -> str:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **fields,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters -> {path}", flush=True)
     model.save_pretrained(path + ".tmp")
     tokenizer.save_pretrained(path + ".tmp")
