@@ -35,7 +35,7 @@ def vm_kb(field: str) -> int:
 def worker(rank, world, port, loader, path, results):
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")  # a CPU benchmark
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from transformers import AutoModelForCausalLM

@@ -85,9 +85,8 @@ def init_weight_sync(
             return [type(m)(m.name, dtype, m.shape) for m in super().metadata()]
 
         def __iter__(self):
-            with torch.no_grad():
-                for name, param in self._module.named_parameters():
-                    yield name, materialize_full_tensor(param.detach().to(dtype))  # all-gather: a collective
+            for name, param in self._module.named_parameters():
+                yield name, materialize_full_tensor(param.detach().to(dtype))  # all-gather: a collective
             if torch.cuda.is_available():  # over CUDA IPC another process reads the copies: they must be complete
                 torch.cuda.current_stream().synchronize()
 

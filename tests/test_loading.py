@@ -64,7 +64,8 @@ def compare(rank: int, port: int, kind: str, path: str):
     import sys
 
     sys.path.insert(0, REPO)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A CPU test on any machine: with a GPU visible, FSDP2's default device mesh would be CUDA's
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
