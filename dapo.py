@@ -23,6 +23,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import ray
 import torch
@@ -38,8 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.checks import call_reward, check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
-from common.engines import spawn_engines
+from common.engines import sample_seeds, spawn_engines
 from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
 from common.placement import (
     Layout,
@@ -53,7 +55,7 @@ from common.placement import (
     wait_all,
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
-from common.tracking import Run, find_checkpoint, save_hf_folder
+from common.tracking import Run, check_resume, save_hf_folder
 from common.weight_sync import choose_backend, init_weight_sync
 
 
@@ -90,6 +92,8 @@ class Args:
     """split to read when --eval-dataset is a hub id"""
     reward_fn: str | None = None
     """your own reward, `path/to/file.py:function`, called as function(response: str, answer: str) -> float"""
+    reward_timeout: float = 30.0
+    """seconds one reward call may take; a slower one stops the run, naming the function, the step and the row"""
     max_prompt_length: int = 256
     """longest prompt in tokens"""
     max_response_length: int = 24
@@ -208,20 +212,23 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6
     A group whose rewards are all equal gets zero advantage: it carries no learning signal.
     """
     r = rewards.view(-1, group_size)  # (B, G)
-    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)).view(-1)
+    advantages = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
+    # Exactly 0 for an all-equal group: in float32 its mean can be one ulp off, and std ≈ 0 would magnify that
+    return torch.where((r == r[:, :1]).all(dim=1, keepdim=True), 0.0, advantages).view(-1)
 
 
 def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Which groups to train on, (B,) bool. DAPO keeps only those whose rewards are not all equal."""
+    """Which groups to train on, (B,) bool. DAPO keeps only those whose verifier scores are not all equal."""
     return (rewards.view(-1, group_size).diff(dim=1) != 0).any(dim=1)  # DAPO (dynamic-sampling): Â = 0, no gradient
 
 
 def sample_groups(draw, num_groups: int, group_size: int, max_rounds: int):
-    """DAPO §3.2: draw(k) for k = 0, 1, ... until num_groups pass keep_groups or k = max_rounds; all drawn + kept."""
+    """DAPO §3.2: draw(k) -> (groups, rewards, verifier scores) for k = 0, 1, ... until num_groups pass keep_groups
+    or k = max_rounds; all drawn + kept. Groups are kept on accuracy (the scores), not on the length penalty."""
     groups, rewards, kept = [], [], []
     for k in range(max_rounds):
-        new_groups, new_rewards = draw(k)
-        keep = keep_groups(new_rewards, group_size)
+        new_groups, new_rewards, new_scores = draw(k)
+        keep = keep_groups(new_scores, group_size)
         keep &= keep.cumsum(0) <= num_groups - sum(int(x.sum()) for x in kept)  # a full batch takes no more
         groups, rewards, kept = groups + new_groups, rewards + [new_rewards], kept + [keep]
         if sum(int(x.sum()) for x in kept) == num_groups:
@@ -237,7 +244,7 @@ def overlong_penalty(length: int, args: Args) -> float:
 
 def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float):
     """Per-token clipped surrogate, negated for minimisation; all (N,). Also returns where the clip was active."""
-    ratio = torch.exp(logprobs - old_logprobs)  # ρ
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # ρ; the clamp keeps e^x finite (inf·0 = NaN)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages  # DAPO (clip-higher): asymmetric
     return -torch.min(unclipped, clipped), clipped < unclipped
@@ -274,6 +281,15 @@ def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int
         perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         rows.append(int(perm[i]))
     return rows
+
+
+class Prompt(NamedTuple):
+    """A prompt of the dataset: its token ids, reference answer, text as written, and row (from 1) in its file."""
+
+    ids: list[int]
+    answer: str
+    text: str | list
+    row: int
 
 
 def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
@@ -367,6 +383,10 @@ class Trainer:
                         stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
+                    raise FloatingPointError(
+                        f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+                    )
                 stats["grad_norms"] += grad_norm.item()  # the global norm: the same on every rank
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -392,11 +412,19 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
 
 
-def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args) -> list[list[dict]]:
-    """Split the prompts over the engines, sample n responses each; results in prompt order."""
+def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args, draw=None) -> list:
+    """Split the prompts over the engines, sample n responses each; results in prompt order.
+
+    `draw` (the step, or a step's round) seeds each prompt's samples by its place in the draw, so that a resumed
+    run samples the tokens the uninterrupted run sampled (sample_seeds).
+    """
     k = len(engines)
+    seeds = sample_seeds(args.seed, draw, len(prompts)) if draw is not None else None
     shards = [prompts[i::k] for i in range(k)]
-    refs = [e.generate.remote(s, n, temperature, args.top_p, args.max_response_length) for e, s in zip(engines, shards)]
+    refs = [
+        e.generate.remote(shard, n, temperature, args.top_p, args.max_response_length, seeds and seeds[i::k])
+        for i, (e, shard) in enumerate(zip(engines, shards))
+    ]
     outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
     results = [None] * len(prompts)
     for i, out in enumerate(outs):
@@ -404,11 +432,34 @@ def generate(engines: list, prompts: list[list[int]], n: int, temperature: float
     return results
 
 
+def score_responses(score, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
+    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards), prompt-major.
+
+    A reward function that raises, hangs or returns a non-number stops the run, naming the prompt row and sample.
+    """
+    n = len(outs[0])
+    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in outs for s in group]
+    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
+    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
+    return texts, torch.tensor(call_reward(score, pairs, where, args.reward_timeout, labels))
+
+
 def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
+    check_ranges(args, {
+        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1", "reward_timeout": "> 0",
+        "max_prompt_length": ">= 1", "max_response_length": ">= 1", "num_trainers": ">= 1", "sp_size": ">= 1",
+        "num_engines": ">= 1", "engine_tp": ">= 1", "engine_memory": "> 0", "temperature": "> 0",
+        "top_p": "> 0, <= 1", "tis_cap": ">= 1", "num_minibatches": ">= 1", "num_epochs": ">= 1",
+        "num_steps": ">= 1", "prompts_per_step": ">= 1", "max_tokens_per_micro_batch": ">= 1",
+        "learning_rate": "> 0", "warmup_steps": ">= 0", "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0",
+        "max_grad_norm": "> 0",
+        "clip_eps_low": "> 0, < 1", "clip_eps_high": "> 0",  # DAPO (clip-higher), then the dynamic-sampling fields
+        "max_sampling_rounds": ">= 1", "overlong_buffer": f">= 0, < {args.max_response_length}",
+    })  # fmt: skip
     if args.num_generations < 2:
         raise InputError("--num-generations must be at least 2: the group is the baseline")
     if args.sp_size < 1 or args.num_trainers % args.sp_size:
@@ -427,8 +478,6 @@ def validate_args(args: Args) -> None:
         args.max_tokens_per_micro_batch = max(512, longest)
     if args.max_tokens_per_micro_batch < longest:
         raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
-    if args.max_sampling_rounds < 1 or args.overlong_buffer < 0:  # DAPO (dynamic-sampling): check the new fields
-        raise InputError("--max-sampling-rounds must be at least 1 and --overlong-buffer at least 0")
 
 
 def main(args: Args):
@@ -436,16 +485,17 @@ def main(args: Args):
     validate_args(args)
     G, dp_size = args.num_generations, args.num_trainers // args.sp_size
     resume_step, run_dir = 0, None
-    if args.resume:
-        run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
-        if resume_step >= args.num_steps:
-            raise InputError(
-                f"--resume: the checkpoint is at step {resume_step}, not before --num-steps {args.num_steps}"
-            )
+    if args.resume:  # same script and model, a whole checkpoint
+        run_dir, resume_ckpt, resume_step = check_resume(args.resume, args, os.path.basename(__file__))
+    else:
+        check_output_dir(args.output_dir)
+    check_tracking(args.track)
     gpus = args.num_trainers + (0 if args.colocate else args.num_engines * args.engine_tp)
     use_gpu = check_devices(gpus)
     if args.colocate and not use_gpu:
         raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
+    if use_gpu and (args.engine_memory or 0) > 1:
+        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     score = load_function(args.reward_fn) if args.reward_fn else reward_fn
     datasets = {"train": load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
@@ -453,15 +503,12 @@ def main(args: Args):
     for split, (rows, source) in datasets.items():
         if rows and "prompt" not in rows[0] and "question" in rows[0]:  # GSM8K style: question + answer
             rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
-        validate_rows(rows, ["prompt", "answer"], source)
+        validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
         datasets[split] = (rows, source)
-    train_rows = datasets["train"][0]
-    try:  # a reward function that crashes should do so now, not after the first rollout
-        for probe in ("", str(train_rows[0]["answer"])):
-            float(score(probe, str(train_rows[0]["answer"])))
-    except Exception as e:
-        raise InputError(f"the reward function failed on a test call: {type(e).__name__}: {e}") from None
+    answer = str(datasets["train"][0][0]["answer"])  # a broken reward function should fail now, not after a rollout
+    call_reward(score, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
     model_path = resolve_model(args.model)
+    check_weights(model_path, "model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {}
     for split, (rows, source) in datasets.items():
@@ -473,8 +520,12 @@ def main(args: Args):
                 f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
             )
         prompts[split] = [
-            (p, str(r["answer"]), r["prompt"]) for p, r in zip(ids, rows) if len(p) <= args.max_prompt_length
+            Prompt(p, str(r["answer"]), r["prompt"], row)
+            for row, (p, r) in enumerate(zip(ids, rows), 1)
+            if len(p) <= args.max_prompt_length
         ]
+        if not prompts[split]:
+            raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
 
     # ---- start Ray, place trainers and engines, connect them for weight sync ----
     layout = Layout(use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate)
@@ -505,22 +556,18 @@ def main(args: Args):
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        outs = generate(engines, [p for p, _, _ in prompts["eval"]], 1, 0.0, args)  # greedy
-        responses = [tokenizer.decode(o[0]["token_ids"], skip_special_tokens=True) for o in outs]
-        rewards = [score(resp, answer) for resp, (_, answer, _) in zip(responses, prompts["eval"])]
-        return {"eval/accuracy": sum(rewards) / len(rewards)}
+        outs = generate(engines, [p.ids for p in prompts["eval"]], 1, 0.0, args)  # greedy
+        _, rewards = score_responses(score, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
+        return {"eval/accuracy": rewards.mean().item()}
 
-    def rollout(step: int, k: int) -> tuple[list, torch.Tensor]:  # DAPO (dynamic-sampling): fresh prompts per round
-        rows = batch_rows(step * args.max_sampling_rounds + k, len(train), args.prompts_per_step, args.seed)
-        batch = [train[i] for i in rows]
-        outs = generate(engines, [p for p, _, _ in batch], G, args.temperature, args)
-        texts = [[tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in group] for group in outs]
-        rewards = [
-            score(text, answer) + overlong_penalty(len(s["token_ids"]), args)
-            for (_, answer, _), group, group_texts in zip(batch, outs, texts)  # DAPO (overlong-punishment)
-            for s, text in zip(group, group_texts)
-        ]
-        return list(zip(batch, outs, texts)), torch.tensor(rewards, dtype=torch.float32)
+    def rollout(step: int, k: int) -> tuple:  # DAPO (dynamic-sampling): fresh prompts per round, seeded per round
+        draw = step * args.max_sampling_rounds + k
+        batch = [train[i] for i in batch_rows(draw, len(train), args.prompts_per_step, args.seed)]
+        outs = generate(engines, [p.ids for p in batch], G, args.temperature, args, draw=draw)
+        texts, scores = score_responses(score, batch, outs, tokenizer, f"step {step + 1}", args)  # (B*G,) scores
+        penalties = torch.tensor([overlong_penalty(len(s["token_ids"]), args) for group in outs for s in group])
+        texts = [texts[i * G : (i + 1) * G] for i in range(len(batch))]
+        return list(zip(batch, outs, texts)), scores + penalties, scores  # DAPO (overlong-punishment): in the reward
 
     # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
@@ -554,7 +601,7 @@ def main(args: Args):
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
             per_token = {"advantages": [advantages[i].item()] * lengths[i], "engine_logprobs": s["logprobs"]}
-            sequences.append((batch[i // G][0], s["token_ids"], per_token))
+            sequences.append((batch[i // G].ids, s["token_ids"], per_token))
         order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
         minis = [[sequences[j] for j in order[k :: args.num_minibatches]] for k in range(args.num_minibatches)]
         shares = [[] for _ in range(args.num_trainers)]  # shares[rank][minibatch] = micro-batches
@@ -607,7 +654,7 @@ def main(args: Args):
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
         run.log_samples(done, [
-            {"prompt": batch[i // G][2], "response": texts[i], "answer": batch[i // G][1], "reward": rewards[i].item()}
+            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer, "reward": rewards[i].item()}
             for i in range(min(len(texts), 2 * G))
         ])  # fmt: skip
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:

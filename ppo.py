@@ -27,6 +27,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import ray
 import torch
@@ -42,8 +43,24 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
-from common.engines import spawn_engines
+from common.checks import (
+    call_reward,
+    check_checkpoint,
+    check_output_dir,
+    check_ranges,
+    check_tracking,
+    check_weights,
+)
+from common.data import (
+    InputError,
+    encode_example,
+    encode_prompt,
+    load_function,
+    load_rows,
+    split_for_ranks,
+    validate_rows,
+)
+from common.engines import sample_seeds, spawn_engines
 from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
 from common.placement import (
     Layout,
@@ -58,7 +75,7 @@ from common.placement import (
     wait_started,
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, find_checkpoint, save_hf_folder
+from common.tracking import Run, check_resume, save_hf_folder
 from common.weight_sync import choose_backend, init_weight_sync
 
 
@@ -99,6 +116,8 @@ class Args:
     """split to read when --eval-dataset is a hub id"""
     reward_fn: str | None = None
     """your own reward, `path/to/file.py:function`, called as function(response: str, answer: str) -> float"""
+    reward_timeout: float = 30.0
+    """seconds one reward call may take; a slower one stops the run, naming the function, the step and the row"""
     max_prompt_length: int = 256
     """longest prompt in tokens"""
     max_response_length: int = 24
@@ -293,6 +312,8 @@ def masked_whiten(x, mask, eps: float = 1e-8):
     n = mask.sum()
     mean = (x * mask).sum() / n
     var = ((x - mean) ** 2 * mask).sum() / n
+    if (x[mask.bool()] == x[mask.bool()][0]).all():  # all equal: exactly 0, not float32 rounding / sqrt(eps)
+        return torch.zeros_like(x)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
@@ -305,7 +326,7 @@ def explained_variance(values, returns, mask) -> float:
 
 def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps: float):
     """Per-token clipped surrogate, negated for minimisation; all (N,). Also returns where the clip was active."""
-    ratio = torch.exp(logprobs - old_logprobs)  # ρ
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # ρ; the clamp keeps e^x finite (inf·0 = NaN)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     return -torch.min(unclipped, clipped), clipped < unclipped
@@ -351,6 +372,22 @@ def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int
         perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         rows.append(int(perm[i]))
     return rows
+
+
+class Prompt(NamedTuple):
+    """A prompt of the dataset: its token ids, reference answer, text as written, and row (from 1) in its file."""
+
+    ids: list[int]
+    answer: str
+    text: str | list
+    row: int
+
+
+def reward_model_input(tokenizer, prompt, response: str) -> list[int]:
+    """The token ids a reward model scores for prompt + response: as rm.py trained it (encode_example: the chat
+    template's rendering, end-of-turn tokens included, read at the last token). vLLM's own tokens stop at the
+    end-of-turn token, one or more tokens short of where the reward model learnt to read its score."""
+    return encode_example(tokenizer, prompt, response)[0]
 
 
 def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
@@ -475,6 +512,10 @@ class Trainer(ShardedModel):
                     stats["approx_kl_sum"] += (torch.expm1(log_ratio) - log_ratio).sum().item() * real
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
+                    raise FloatingPointError(
+                        f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+                    )
                 stats["grad_norm_sum"] += grad_norm.item()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -535,6 +576,10 @@ class Critic(ShardedModel):
                     stats["value_clipped_tokens"] += clipped.sum().item() * mb["loss_scale"].item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
+                    raise FloatingPointError(
+                        f"non-finite value loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+                    )
                 stats["critic_grad_norm_sum"] += grad_norm.item()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -566,11 +611,19 @@ class RewardModel:
         return out
 
 
-def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args) -> list[list[dict]]:
-    """Split the prompts over the engines, sample n responses each; results in prompt order."""
+def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args, draw=None) -> list:
+    """Split the prompts over the engines, sample n responses each; results in prompt order.
+
+    `draw` (the step, or a step's round) seeds each prompt's samples by its place in the draw, so that a resumed
+    run samples the tokens the uninterrupted run sampled (sample_seeds).
+    """
     k = len(engines)
+    seeds = sample_seeds(args.seed, draw, len(prompts)) if draw is not None else None
     shards = [prompts[i::k] for i in range(k)]
-    refs = [e.generate.remote(s, n, temperature, args.top_p, args.max_response_length) for e, s in zip(engines, shards)]
+    refs = [
+        e.generate.remote(shard, n, temperature, args.top_p, args.max_response_length, seeds and seeds[i::k])
+        for i, (e, shard) in enumerate(zip(engines, shards))
+    ]
     outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
     results = [None] * len(prompts)
     for i, out in enumerate(outs):
@@ -595,12 +648,35 @@ def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args
     return out[: len(trainers)], out[len(trainers) :]
 
 
+def score_responses(score, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
+    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards), prompt-major.
+
+    A reward function that raises, hangs or returns a non-number stops the run, naming the prompt row and sample.
+    """
+    n = len(outs[0])
+    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in outs for s in group]
+    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
+    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
+    return texts, torch.tensor(call_reward(score, pairs, where, args.reward_timeout, labels))
+
+
 def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    if args.sp_size < 1 or args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
+    check_ranges(args, {
+        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1", "reward_timeout": "> 0",
+        "max_prompt_length": ">= 1", "max_response_length": ">= 1", "num_trainers": ">= 1", "num_critics": ">= 1",
+        "sp_size": ">= 1", "num_engines": ">= 1", "engine_tp": ">= 1", "engine_memory": "> 0",
+        "samples_per_prompt": ">= 1", "temperature": "> 0", "top_p": "> 0, <= 1", "clip_eps": "> 0, < 1",
+        "value_clip_eps": "> 0", "gamma": ">= 0, <= 1", "lam": ">= 0, <= 1", "kl_coef": ">= 0", "kl_target": "> 0",
+        "kl_horizon": ">= 1", "num_minibatches": ">= 1", "num_epochs": ">= 1", "num_steps": ">= 1",
+        "prompts_per_step": ">= 1", "max_tokens_per_micro_batch": ">= 1", "learning_rate": "> 0",
+        "critic_learning_rate": "> 0", "warmup_steps": ">= 0", "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0",
+        "max_grad_norm": "> 0",
+    })  # fmt: skip
+    if args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
         raise InputError(f"--num-trainers and --num-critics must be multiples of --sp-size {args.sp_size}")
     dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
     if (args.prompts_per_step * args.samples_per_prompt) % (args.num_minibatches * max(dp_sizes)):
@@ -616,8 +692,6 @@ def validate_args(args: Args) -> None:
         args.max_tokens_per_micro_batch = max(512, longest)
     if args.max_tokens_per_micro_batch < longest:
         raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
-    if args.kl_target is not None and args.kl_target <= 0:
-        raise InputError("--kl-target must be positive (leave it unset for a fixed β)")
 
 
 def main(args: Args):
@@ -626,20 +700,20 @@ def main(args: Args):
     n = args.samples_per_prompt
     dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
     resume_step, run_dir = 0, None
-    if args.resume:
-        run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
-        if resume_step >= args.num_steps:
-            raise InputError(
-                f"--resume: the checkpoint is at step {resume_step}, not before --num-steps {args.num_steps}"
-            )
-        if not os.path.isfile(os.path.join(resume_ckpt, "critic", "trainer_state.pt")):
-            raise InputError(f"--resume: {resume_ckpt} has no critic/ checkpoint (not a ppo.py run?)")
+    if args.resume:  # same script and model, whole checkpoints of the policy and the critic
+        run_dir, resume_ckpt, resume_step = check_resume(args.resume, args, os.path.basename(__file__))
+        check_checkpoint(os.path.join(resume_ckpt, "critic"))
+    else:
+        check_output_dir(args.output_dir)
+    check_tracking(args.track)
     use_reward_model = args.reward_model is not None
     gpus = args.num_trainers + args.num_critics + int(use_reward_model)
     gpus += 0 if args.colocate else args.num_engines * args.engine_tp
     use_gpu = check_devices(gpus)
     if args.colocate and not use_gpu:
         raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
+    if use_gpu and (args.engine_memory or 0) > 1:
+        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     score = load_function(args.reward_fn) if args.reward_fn else reward_fn
     datasets = {"train": load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
@@ -648,21 +722,20 @@ def main(args: Args):
         if rows and "prompt" not in rows[0] and "question" in rows[0]:  # GSM8K style: question + answer
             rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
         needs_answer = split == "eval" or not use_reward_model  # a reward model needs prompts only
-        validate_rows(rows, ["prompt", "answer"] if needs_answer else ["prompt"], source)
+        validate_rows(rows, ["prompt", "answer"] if needs_answer else ["prompt"], source, numeric=("answer",))
         datasets[split] = (rows, source)
-    train_rows = datasets["train"][0]
     if use_reward_model:
         reward_model_path = resolve_model(args.reward_model)
+        check_weights(reward_model_path, "--reward-model")
         if AutoConfig.from_pretrained(reward_model_path).num_labels != 1:
             raise InputError(f"--reward-model {args.reward_model}: expected one label (an rm.py output)")
-    else:
-        try:  # a reward function that crashes should do so now, not after the first rollout
-            for probe in ("", str(train_rows[0]["answer"])):
-                float(score(probe, str(train_rows[0]["answer"])))
-        except Exception as e:
-            raise InputError(f"the reward function failed on a test call: {type(e).__name__}: {e}") from None
+    else:  # a broken reward function should fail now, not after a rollout
+        answer = str(datasets["train"][0][0]["answer"])
+        call_reward(score, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
     model_path = resolve_model(args.model)
+    check_weights(model_path, "model")
     critic_path = resolve_model(args.critic_model) if args.critic_model else model_path
+    check_weights(critic_path, "--critic-model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {}
     for split, (rows, source) in datasets.items():
@@ -674,8 +747,12 @@ def main(args: Args):
                 f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
             )
         prompts[split] = [
-            (p, str(r.get("answer")), r["prompt"]) for p, r in zip(ids, rows) if len(p) <= args.max_prompt_length
+            Prompt(p, str(r.get("answer")), r["prompt"], row)
+            for row, (p, r) in enumerate(zip(ids, rows), 1)
+            if len(p) <= args.max_prompt_length
         ]
+        if not prompts[split]:
+            raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
 
     # ---- start Ray; place policy trainers, critics, engines and the reward model; connect weight sync ----
     layout = Layout(
@@ -719,10 +796,9 @@ def main(args: Args):
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        outs = generate(engines, [p for p, _, _ in prompts["eval"]], 1, 0.0, args)  # greedy
-        responses = [tokenizer.decode(o[0]["token_ids"], skip_special_tokens=True) for o in outs]
-        rewards = [score(resp, answer) for resp, (_, answer, _) in zip(responses, prompts["eval"])]
-        return {"eval/accuracy": sum(rewards) / len(rewards)}
+        outs = generate(engines, [p.ids for p in prompts["eval"]], 1, 0.0, args)  # greedy
+        _, rewards = score_responses(score, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
+        return {"eval/accuracy": rewards.mean().item()}
 
     # ---- training loop: generate -> score -> old logprobs, values -> rewards, GAE -> train both -> sync ----
     console = ("rollout/reward", "train/policy_loss", "train/value_loss", "train/kl", "eval/accuracy", "time/step")
@@ -734,7 +810,7 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.prompts_per_step, args.seed)]
-        outs = generate(engines, [p for p, _, _ in batch], n, args.temperature, args)
+        outs = generate(engines, [p.ids for p in batch], n, args.temperature, args, draw=step)
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
         t_gen = time.time()
@@ -743,16 +819,16 @@ def main(args: Args):
         responses = [s for group in outs for s in group]  # (B,) prompt-major, B = prompts x samples_per_prompt
         texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in responses]
         if use_reward_model:
-            full = [batch[i // n][0] + s["token_ids"] for i, s in enumerate(responses)]
+            full = [reward_model_input(tokenizer, batch[i // n].text, text) for i, text in enumerate(texts)]
             scores = torch.tensor(wait_all([reward_model.score.remote(full)], ["RewardModel#0"], "score")[0])
         else:
-            scores = torch.tensor([score(text, batch[i // n][1]) for i, text in enumerate(texts)], dtype=torch.float32)
+            _, scores = score_responses(score, batch, outs, tokenizer, f"step {step + 1}", args)  # (B,)
         t_score = time.time()
 
         # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then rewards, GAE, whitening
         lengths = [len(s["token_ids"]) for s in responses]
         seqs = [
-            make_sequence(batch[i // n][0], s["token_ids"], seq_id=[i] * lengths[i], tok=range(lengths[i]))
+            make_sequence(batch[i // n].ids, s["token_ids"], seq_id=[i] * lengths[i], tok=range(lengths[i]))
             for i, s in enumerate(responses)
         ]
         shares = tuple(
@@ -780,7 +856,7 @@ def main(args: Args):
             weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any number of ranks
             train_seqs = [
                 make_sequence(
-                    batch[i // n][0],
+                    batch[i // n].ids,
                     responses[i]["token_ids"],
                     loss_weights=[weight] * lengths[i],
                     **{
@@ -822,7 +898,7 @@ def main(args: Args):
         }
         num_updates = args.num_minibatches * args.num_epochs
         num_tokens = response_mask.sum().item()
-        train_tokens = sum(len(batch[i // n][0]) + lengths[i] for i in range(len(responses)))
+        train_tokens = sum(len(batch[i // n].ids) + lengths[i] for i in range(len(responses)))
         diff = (logprobs - engine_logprobs).abs() * response_mask
         metrics |= {
             "rollout/reward": scores.mean().item(),
@@ -857,7 +933,7 @@ def main(args: Args):
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
         run.log_samples(done, [
-            {"prompt": batch[i // n][2], "response": texts[i], "answer": batch[i // n][1], "reward": scores[i].item()}
+            {"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer, "reward": scores[i].item()}
             for i in range(min(len(texts), 2 * n))
         ])  # fmt: skip
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:

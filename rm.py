@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, as_messages, encode_example, load_rows, split_for_ranks, validate_rows
 from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
 from common.placement import (
@@ -49,7 +50,7 @@ from common.placement import (
     spawn_trainers,
 )
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, find_checkpoint, save_hf_folder
+from common.tracking import Run, check_resume, save_hf_folder
 
 
 @dataclass
@@ -267,9 +268,11 @@ class Trainer:
             stats["correct"] += (chosen > rejected).sum().item() * mb["loss_scale"].item()
             stats["margin_sum"] += (chosen - rejected).sum().item() * mb["loss_scale"].item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
+            raise FloatingPointError(f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         return {**stats, "grad_norm": grad_norm.item(), "lr": self.optimizer.param_groups[0]["lr"]}
 
     @torch.no_grad()
@@ -307,7 +310,13 @@ def validate_args(args: Args) -> None:
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    if args.sp_size < 1 or args.num_trainers % args.sp_size:
+    check_ranges(args, {
+        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1",
+        "max_length": ">= 1", "num_trainers": ">= 1", "sp_size": ">= 1", "margin": ">= 0", "num_steps": ">= 1",
+        "batch_size": ">= 1", "max_tokens_per_micro_batch": ">= 1", "learning_rate": "> 0", "warmup_steps": ">= 0",
+        "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0", "max_grad_norm": "> 0",
+    })  # fmt: skip
+    if args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     if args.batch_size % dp_size:
@@ -323,12 +332,11 @@ def main(args: Args):
     validate_args(args)
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     resume_step, run_dir = 0, None
-    if args.resume:
-        run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
-        if resume_step >= args.num_steps:
-            raise InputError(
-                f"--resume: the checkpoint is at step {resume_step}, not before --num-steps {args.num_steps}"
-            )
+    if args.resume:  # same script and model, a whole checkpoint
+        run_dir, resume_ckpt, resume_step = check_resume(args.resume, args, os.path.basename(__file__))
+    else:
+        check_output_dir(args.output_dir)
+    check_tracking(args.track)
     use_gpu = check_devices(args.num_trainers)
     datasets = {"train": load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
@@ -336,7 +344,12 @@ def main(args: Args):
     for rows, source in datasets.values():
         validate_rows(rows, ["prompt", "chosen", "rejected"], source)
         check_pairs(rows, source)
+        for i, row in enumerate(rows, 1):  # a `margin` column overrides --margin per pair
+            m = row.get("margin", args.margin)
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
+                raise InputError(f"{source}: row {i} column 'margin' must be a number >= 0 (got {m!r})")
     model_path = resolve_model(args.model)
+    check_weights(model_path, "model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     # ---- tokenize: prompt + chosen and prompt + rejected per row; count pairs that are too long ----

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, encode_example, encode_prompt, load_rows, split_for_ranks, validate_rows
 from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
 from common.placement import (
@@ -45,7 +46,7 @@ from common.placement import (
     spawn_trainers,
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, find_checkpoint, save_hf_folder
+from common.tracking import Run, check_resume, save_hf_folder
 
 
 @dataclass
@@ -221,9 +222,11 @@ class Trainer:
             (loss * self.world_size / num_tokens).backward()
             loss_sum += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
+            raise FloatingPointError(f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         return {"loss_sum": loss_sum, "grad_norm": grad_norm.item(), "lr": self.optimizer.param_groups[0]["lr"]}
 
     @torch.no_grad()
@@ -276,7 +279,13 @@ def validate_args(args: Args) -> None:
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    if args.sp_size < 1 or args.num_trainers % args.sp_size:
+    check_ranges(args, {
+        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1",
+        "max_length": ">= 1", "max_new_tokens": ">= 1", "num_trainers": ">= 1", "sp_size": ">= 1",
+        "num_steps": ">= 1", "batch_size": ">= 1", "max_tokens_per_micro_batch": ">= 1", "learning_rate": "> 0",
+        "warmup_steps": ">= 0", "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0", "max_grad_norm": "> 0",
+    })  # fmt: skip
+    if args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     if args.batch_size % dp_size:
@@ -292,12 +301,11 @@ def main(args: Args):
     validate_args(args)
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
     resume_step, run_dir = 0, None
-    if args.resume:
-        run_dir, resume_ckpt, resume_step = find_checkpoint(args.resume)
-        if resume_step >= args.num_steps:
-            raise InputError(
-                f"--resume: the checkpoint is at step {resume_step}, not before --num-steps {args.num_steps}"
-            )
+    if args.resume:  # same script and model, a whole checkpoint
+        run_dir, resume_ckpt, resume_step = check_resume(args.resume, args, os.path.basename(__file__))
+    else:
+        check_output_dir(args.output_dir)
+    check_tracking(args.track)
     use_gpu = check_devices(args.num_trainers)
     datasets = {"train": load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
@@ -307,8 +315,9 @@ def main(args: Args):
     accuracy_rows = []
     if args.accuracy_dataset:
         accuracy_rows, source = load_rows(args.accuracy_dataset, args.eval_split)
-        validate_rows(accuracy_rows, ["prompt", "answer"], source)
+        validate_rows(accuracy_rows, ["prompt", "answer"], source, numeric=("answer",))
     model_path = resolve_model(args.model)
+    check_weights(model_path, "model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     # ---- tokenize: ids + assistant mask per row; count rows that are too long ----
@@ -321,6 +330,9 @@ def main(args: Args):
                 f"{source}: {len(too_long)} of {len(rows)} rows are longer than --max-length {args.max_length} "
                 f"tokens (first: row {too_long[0]}); raise --max-length or pass --drop-long"
             )
+        silent = sum(1 for _, m in encoded if not sum(m))  # nothing to learn from: no assistant turn
+        if silent:
+            print(f"warning: {source}: {silent} of {len(rows)} rows have no assistant turn; they are skipped")
         sequences[split] = [make_sequence(ids, m) for ids, m in encoded if len(ids) <= args.max_length and sum(m)]
         if not sequences[split]:
             raise InputError(f"{source}: no rows left with assistant tokens within --max-length")
@@ -350,7 +362,7 @@ def main(args: Args):
             responses = [None] * len(accuracy_prompts)
             for r, out in enumerate(outs):
                 responses[r::n] = [tokenizer.decode(o) for o in out]
-            rewards = [reward_fn(resp, row["answer"]) for resp, row in zip(responses, accuracy_rows)]
+            rewards = [reward_fn(resp, str(row["answer"])) for resp, row in zip(responses, accuracy_rows)]
             metrics["eval/accuracy"] = sum(rewards) / len(rewards)
             run.log_samples(step, [
                 {"prompt": row["prompt"], "response": resp, "answer": row["answer"], "reward": rew}

@@ -11,6 +11,10 @@ import os
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_TEMPLATE = (
+    "the model's tokenizer has no chat template, and the data has message lists: use plain-text columns "
+    "(sft.py and dpo.py: also --accuracy-dataset '', whose prompts are messages) or a model with a chat template"
+)
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -36,6 +40,7 @@ def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
     try:
         import datasets
 
+        quiet_hub_logs()  # offline, the hub client logs a retry line per attempt before the error we report
         rows = list(datasets.load_dataset(name, config or None, split=split))
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -56,11 +61,25 @@ def _load_local(path: str, split: str) -> list[dict]:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    with open(path) as f:
-        text = f.read()
-    if path.endswith(".json") and text.lstrip().startswith("["):
-        rows = json.loads(text)
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors for a damaged file vary
+            raise InputError(f"{path} is not a readable parquet file: {type(e).__name__}: {e}") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (bad byte at offset {e.start})") from None
+    if path.endswith(".json") and text.lstrip().startswith(("[", "{")):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
+        if isinstance(rows, dict):  # columnar, as pandas writes it: {"prompt": [...], "answer": [...]}
+            columns = list(rows.values())
+            if not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
+                raise InputError(f"{path}: expected a JSON array of rows, or an object of equal-length columns")
+            rows = [dict(zip(rows, values)) for values in zip(*columns)]
     else:  # jsonl (one object per line); blank lines are skipped
         rows = []
         for i, line in enumerate(text.splitlines(), 1):
@@ -74,28 +93,43 @@ def _load_local(path: str, split: str) -> list[dict]:
     return rows
 
 
-def validate_rows(rows: list[dict], columns: list[str], source: str) -> None:
-    """Every row must be an object with each column present and non-empty (string or list of messages)."""
+def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tuple[str, ...] = ()) -> None:
+    """Every row is an object with each column present and non-empty: a string or a list of role/content messages
+    with text (or, for the `numeric` columns such as an answer, a number)."""
     if not rows:
         raise InputError(f"dataset {source} has no rows")
     for i, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise InputError(f"{source}: row {i} is not a JSON object")
         for col in columns:
-            value = row.get(col)
-            if value is None:
+            where, value = f"{source}: row {i} column {col!r}", row.get(col)
+            if col not in row:
                 have = ", ".join(sorted(row)) or "none"
                 raise InputError(f"{source}: row {i} has no column {col!r} (columns: {have})")
+            if value is None:
+                raise InputError(f"{where} is null")
+            if col in numeric and isinstance(value, (int, float)) and not isinstance(value, bool):
+                continue
             if isinstance(value, str):
                 if not value.strip():
-                    raise InputError(f"{source}: row {i} column {col!r} is empty")
-            elif isinstance(value, list):
-                if not value or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-                    raise InputError(
-                        f"{source}: row {i} column {col!r} must be a non-empty list of role/content messages"
-                    )
+                    raise InputError(f"{where} is empty")
+            elif isinstance(value, list) and value:
+                for j, m in enumerate(value, 1):
+                    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                        raise InputError(f"{where}: message {j} is not a {{role, content}} object")
+                    if not isinstance(m.get("content"), str) or not m["content"].strip():
+                        raise InputError(f"{where}: message {j} ({m['role']}) has no text content")
             else:
-                raise InputError(f"{source}: row {i} column {col!r} must be a string or a list of messages")
+                kinds = "a string, a number" if col in numeric else "a string"
+                raise InputError(f"{where} must be {kinds} or a non-empty list of messages (got {value!r:.40})")
+
+
+def quiet_hub_logs() -> None:
+    """Silence the Hugging Face clients' per-retry warnings; their final error still reaches us."""
+    import logging
+
+    for name in ("huggingface_hub", "datasets", "urllib3", "fsspec", "filelock"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def load_function(spec: str):
@@ -124,6 +158,8 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt ready for generation: chat template + generation prompt for messages, plain text else."""
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
+    if tokenizer.chat_template is None:
+        raise InputError(NO_TEMPLATE)
     text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
@@ -140,7 +176,7 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
         done = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         return ids + done, [0] * len(ids) + [1] * len(done)
     if tokenizer.chat_template is None:
-        raise InputError("the model's tokenizer has no chat template; use plain-text prompt/completion columns")
+        raise InputError(NO_TEMPLATE)
     messages = as_messages(prompt, "user") + (as_messages(completion, "assistant") if completion is not None else [])
 
     def render(msgs, gen_prompt=False):

@@ -10,6 +10,7 @@ would fight the co-located trainers; CUDA graphs and torch.compile cost a minute
 """
 
 import os
+import random
 
 import ray
 
@@ -57,23 +58,33 @@ class Engine:
         )
         self.version = 0
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int) -> list:
-        """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts)."""
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
+                 seeds: list[int] | None = None) -> list:  # fmt: skip
+        """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts).
+
+        With `seeds` (one per prompt), sample j of prompt i is a request of its own seeded seeds[i] + j: the same
+        tokens whatever else is in the batch and whichever engine runs it, which makes --resume exact. (One
+        request with n samples and a seed crashes vLLM on CPU.)
+        """
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [
-            [
-                {
-                    "token_ids": list(c.token_ids),
-                    "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                    "finish_reason": c.finish_reason,
-                }
-                for c in out.outputs
-            ]
+        base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+        if seeds is None:
+            requests, params = prompts, SamplingParams(n=n, **base)
+        else:
+            requests = [p for p in prompts for _ in range(n)]
+            params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False)
+        samples = [
+            {
+                "token_ids": list(c.token_ids),
+                "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                "finish_reason": c.finish_reason,
+            }
             for out in outputs
+            for c in out.outputs
         ]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     # The four calls of vLLM's weight-transfer protocol, driven by the trainer's weight-transfer engine.
     def init_weight_transfer_engine(self, init_info: dict):
@@ -101,6 +112,12 @@ class Engine:
 
     def get_version(self) -> int:
         return self.version
+
+
+def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
+    """A sampling seed for each prompt of draw `draw` (a step, or one round of a step): a pure function of the
+    run's seed, the draw and the prompt's place in it, so a resumed run samples what the uninterrupted run did."""
+    return [random.Random(f"{seed}/{draw}/{i}").getrandbits(48) for i in range(num_prompts)]
 
 
 def spawn_engines(

@@ -16,7 +16,7 @@ import importlib.util
 import os
 import shutil
 
-from common.data import InputError
+from common.data import InputError, quiet_hub_logs
 
 BUILTIN_MODEL = "builtin:SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,6 +39,8 @@ def resolve_model(name: str) -> str:
         raise InputError(f"model path {name!r} does not exist (pass a local HF folder, a hub id or {BUILTIN_MODEL!r})")
     try:  # a hub id: download (or find in the HF cache) only the files we load
         from huggingface_hub import snapshot_download
+
+        quiet_hub_logs()
 
         patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
         path = snapshot_download(name, allow_patterns=patterns)

@@ -17,6 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.checks import RunError, stop_on_signals
 from common.data import REPO_ROOT, InputError
 
 RPC_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RPC_TIMEOUT", 3600))
@@ -46,6 +47,7 @@ def init_ray(num_bundles: int = 0) -> None:
     """Start a local Ray instance with room for `num_bundles` bundles, or join the cluster in $RAY_ADDRESS."""
     if ray.is_initialized():
         return
+    stop_on_signals()  # SIGTERM / Ctrl-C: one line, then the exit's ray.shutdown stops every actor
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Actors import `common` and the scripts' modules; make the repo importable wherever Ray starts them.
@@ -105,7 +107,9 @@ def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
     try:
         ray.get(pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"Ray could not reserve the bundles {bundles} within 300 s") from None
+        raise RunError(
+            f"Ray could not reserve the bundles {bundles} within 300 s (too few free GPUs or CPUs?)"
+        ) from None
     nodes = placement_group_table(pg)["bundles_to_node_id"]
     if len(set(nodes.values())) > 1:  # on a cluster, say where everything went
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
@@ -185,8 +189,8 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int) -> "torch
 def call(actors: list, method: str, *args, per_rank: list | None = None, timeout: float | None = None) -> list:
     """Call `method` on every actor (with `per_rank[i]` as the first argument if given) and wait for all.
 
-    A dead actor or one that does not answer within `timeout` seconds becomes an error that names it, rather
-    than a hang; the other actors' calls are cancelled by the shutdown that follows.
+    A dead actor or one that does not answer within `timeout` seconds becomes a RunError (one line) that names
+    it, rather than a hang; the other actors' calls are cancelled by the shutdown that follows.
     """
     refs = [
         getattr(a, method).remote(*(([per_rank[i]] if per_rank is not None else []) + list(args)))
@@ -204,13 +208,13 @@ def wait_all(refs: list, names: list[str], what: str, timeout: float | None = No
         if not ready:
             late = ", ".join(pending[r] for r in left)
             hint = " (raise POSTTRAIN_START_TIMEOUT to wait longer)" if what == "start-up" else ""
-            raise TimeoutError(f"{late} did not finish {what} within {timeout:.0f} s{hint}")
+            raise RunError(f"{late} did not finish {what} within {timeout:.0f} s{hint}")
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"{pending[ready[0]]} died during {what}: {_first_line(e)}") from None
+            raise RunError(f"{pending[ready[0]]} died during {what}: {_first_line(e)}") from None
         except ray.exceptions.RayTaskError as e:
-            raise RuntimeError(f"{pending[ready[0]]} failed in {what}: {_first_line(e.cause or e)}") from e
+            raise RunError(f"{pending[ready[0]]} failed in {what}: {_first_line(e.cause or e)}") from None
     return ray.get(refs)
 
 

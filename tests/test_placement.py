@@ -159,7 +159,7 @@ def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
     returned_at = time.time()
     assert ray.get(engines[0].where.remote())["started_at"] <= returned_at
     ray.kill(engines[0])
-    with pytest.raises(RuntimeError, match=r"^CrashingEngine#0 died during start-up: .*stand-in failed to start"):
+    with pytest.raises(SystemExit, match=r"^error: CrashingEngine#0 died during start-up: .*stand-in failed to start"):
         spawn_engines(pg, layout.engines, **options, engine_cls=ray.remote(CrashingEngine))
     ray.util.remove_placement_group(pg)
 

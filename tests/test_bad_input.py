@@ -1,0 +1,372 @@
+"""Bad input, by class, for all six scripts: one `error:` line naming the flag, file, row or function, raised
+before Ray starts (init_ray is replaced by a tripwire), and nothing written. In-process and without loading a
+model (the tokenizer and config only), so the whole file runs in well under a minute; a few subprocess runs
+check the real exit status and stderr."""
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import tyro
+from conftest import run_script
+from safetensors.torch import save_file
+
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo"]
+RL = ["grpo", "dapo", "ppo"]
+GOOD_ROW = {
+    "sft": {"prompt": "What is 1 + 1?", "completion": "2"},
+    "rm": {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"},
+    "dpo": {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"},
+    **{name: {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"} for name in RL},
+}
+NO_EVAL = {"sft": ["--accuracy-dataset", ""], "dpo": ["--accuracy-dataset", ""]}  # plus --eval-dataset "" for all
+
+
+class RayStarted(Exception):
+    """The tripwire: main() got as far as starting Ray."""
+
+
+def tripwire(*args, **kwargs):
+    raise RayStarted
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def run(monkeypatch, tmp_path, tiny_model):
+    """run(name, *flags, rows=None) -> the one `error:` line of main(); dataset = `rows` (default: good rows)."""
+
+    def go(name, *flags, rows=None, reach_ray=False):
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "init_ray", tripwire)
+        data = flags_value(flags, "--dataset") or write_rows(tmp_path / "data.jsonl", rows or [GOOD_ROW[name]] * 4)
+        out = tmp_path / "runs"
+        argv = ["--model", tiny_model, "--dataset", data, "--eval-dataset", "", "--output-dir", str(out)]
+        argv += NO_EVAL.get(name, []) + [f for f in flags if f not in ("--dataset", data)]
+        if reach_ray:
+            with pytest.raises(RayStarted):
+                module.main(tyro.cli(module.Args, args=argv))
+            return None
+        with pytest.raises(SystemExit) as e:
+            module.main(tyro.cli(module.Args, args=argv))
+        message = str(e.value.code)
+        assert message.startswith("error: ") and "\n" not in message, message
+        assert not out.exists(), "something was written before the error"
+        return message
+
+    return go
+
+
+def flags_value(flags, name):
+    return flags[flags.index(name) + 1] if name in flags else None
+
+
+# ---- class 1 and 2: every numeric flag has its range checked, before anything starts ----
+
+
+def numeric_fields(module):
+    return [
+        (f.name, f.type)
+        for f in dataclasses.fields(module.Args)
+        if any(t in str(f.type) for t in ("int", "float")) and f.name != "max_tokens_per_micro_batch"
+    ]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_numeric_flag_is_range_checked(name):
+    """A class test: a flag added without a range fails here. -1 is out of range for every numeric flag of every
+    script, and NaN and infinity for every float flag."""
+    module = importlib.import_module(name)
+    fields = numeric_fields(module)
+    assert len(fields) >= 12
+    for field, kind in fields:
+        flag = "--" + field.replace("_", "-")
+        for bad in ["-1"] + (["nan", "inf", "-inf"] if "float" in str(kind) else []):
+            args = tyro.cli(module.Args, args=[flag, bad])
+            with pytest.raises(SystemExit, match=f"^error: {flag} must be") as e:
+                module.validate_args(args)
+            assert "\n" not in str(e.value.code)
+
+
+CASES = [  # (scripts, flags, what the line names)
+    (SCRIPTS, ["--num-trainers", "0"], "--num-trainers must be >= 1"),
+    (SCRIPTS, ["--learning-rate", "-1"], "--learning-rate must be > 0"),
+    (SCRIPTS, ["--num-steps", "0"], "--num-steps must be >= 1"),
+    (SCRIPTS, ["--eval-every", "0"], "--eval-every must be >= 1"),
+    (SCRIPTS, ["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+    (["sft", "rm", "dpo"], ["--batch-size", "0"], "--batch-size must be >= 1"),
+    (RL, ["--num-minibatches", "0"], "--num-minibatches must be >= 1"),
+    (RL, ["--temperature", "0"], "--temperature must be > 0"),
+    (RL, ["--max-response-length", "0"], "--max-response-length must be >= 1"),
+    (RL, ["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
+    (RL, ["--num-engines", "0"], "--num-engines must be >= 1"),
+    (RL, ["--top-p", "1.5"], "--top-p must be > 0, <= 1"),
+    (RL, ["--reward-timeout", "0"], "--reward-timeout must be > 0"),
+    (["ppo"], ["--num-critics", "0"], "--num-critics must be >= 1"),
+    (["ppo"], ["--lam", "1.5"], "--lam must be >= 0, <= 1"),
+    (["dapo"], ["--overlong-buffer", "30", "--max-response-length", "24"], "--overlong-buffer must be >= 0, < 24"),
+    (["dpo"], ["--label-smoothing", "0.5"], "--label-smoothing must be >= 0, < 0.5"),
+    (["rm"], ["--margin", "-0.5"], "--margin must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("name,flags,expected", [(n, f, e) for scripts, f, e in CASES for n in scripts])
+def test_out_of_range_flags_stop_before_ray(run, name, flags, expected):
+    assert expected in run(name, *flags)
+
+
+# ---- class 1 and 4: data files ----
+
+
+def bad_file(kind, tmp_path, name):
+    good = json.dumps(GOOD_ROW[name])
+    if kind == "json_syntax":
+        (tmp_path / "d.json").write_text("[" + good + ",\n" + good[:-5] + "]")
+        return str(tmp_path / "d.json"), "not valid JSON at line 2"
+    if kind == "json_not_rows":
+        (tmp_path / "d.json").write_text(json.dumps({"prompt": "a", "answer": [1, 2]}))
+        return str(tmp_path / "d.json"), "expected a JSON array of rows"
+    if kind == "corrupt_parquet":
+        (tmp_path / "d.parquet").write_bytes(b"PAR1" + os.urandom(200))
+        return str(tmp_path / "d.parquet"), "is not a readable parquet file"
+    if kind == "not_utf8":
+        (tmp_path / "d.jsonl").write_bytes(good.encode() + b"\n" + b'{"prompt": "\xff\xfe"}\n')
+        return str(tmp_path / "d.jsonl"), "is not UTF-8 text"
+    if kind == "empty":
+        (tmp_path / "d.jsonl").write_text("\n\n")
+        return str(tmp_path / "d.jsonl"), "is empty"
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["json_syntax", "json_not_rows", "corrupt_parquet", "not_utf8", "empty"])
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_unreadable_data_files(run, tmp_path, name, kind):
+    path, expected = bad_file(kind, tmp_path, name)
+    message = run(name, "--dataset", path)
+    assert expected in message and os.path.basename(path) in message
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_rows_with_null_or_missing_fields_name_the_row(run, name):
+    good = GOOD_ROW[name]
+    assert "row 2 column 'prompt' is null" in run(name, rows=[good, {**good, "prompt": None}])
+    missing = {k: v for k, v in good.items() if k != "prompt"}
+    assert "row 3 has no column 'prompt'" in run(name, rows=[good, good, missing])
+    messages = [{"role": "user", "content": None}]
+    assert "row 2 column 'prompt': message 1 (user) has no text content" in run(
+        name, rows=[good, {**good, "prompt": messages}]
+    )
+    empty = [{"role": "user", "content": "  "}]
+    assert "row 1 column 'prompt': message 1 (user) has no text content" in run(name, rows=[{**good, "prompt": empty}])
+    assert "row 1 column 'prompt' is empty" in run(name, rows=[{**good, "prompt": ""}])
+
+
+@pytest.mark.parametrize("name", RL)
+def test_numeric_answers_are_accepted(run, name):
+    run(name, rows=[{**GOOD_ROW[name], "answer": 2}, {**GOOD_ROW[name], "answer": 2.0}], reach_ray=True)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_drop_long_that_drops_everything(run, name):
+    flags = ["--max-prompt-length", "3"] if name in RL else ["--max-length", "3"]
+    message = run(name, *flags, "--drop-long")
+    assert "--max-prompt-length 3" in message if name in RL else "within --max-length" in message
+
+
+def test_sft_counts_rows_without_an_assistant_turn(run, capsys):
+    good = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}
+    silent = {"messages": [{"role": "user", "content": "1 + 1?"}]}
+    run("sft", rows=[good, silent, good, silent], reach_ray=True)
+    assert "2 of 4 rows have no assistant turn; they are skipped" in capsys.readouterr().out
+
+
+def test_rm_margin_must_be_a_number(run):
+    message = run("rm", rows=[GOOD_ROW["rm"], {**GOOD_ROW["rm"], "margin": "big"}])
+    assert "row 2 column 'margin' must be a number >= 0 (got 'big')" in message
+
+
+# ---- class 2: model, tokenizer, output dir, tracking ----
+
+
+@pytest.fixture
+def model_copy(tmp_path, tiny_model):
+    def make(drop_weights=False, drop_template=False, truncate=False):
+        path = tmp_path / "model_copy"
+        shutil.copytree(tiny_model, path)
+        if drop_weights:
+            os.remove(path / "model.safetensors")
+        if truncate:
+            data = (path / "model.safetensors").read_bytes()
+            (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+        if drop_template:
+            for f in path.glob("chat_template.*"):
+                f.unlink()
+            config = json.loads((path / "tokenizer_config.json").read_text())
+            config.pop("chat_template", None)
+            (path / "tokenizer_config.json").write_text(json.dumps(config))
+        return str(path)
+
+    return make
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_model_without_whole_weights(run, model_copy, name):
+    assert "has no weights" in run(name, "--model", model_copy(drop_weights=True))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_truncated_model_weights(run, model_copy, name):
+    assert "model.safetensors is missing or truncated" in run(name, "--model", model_copy(truncate=True))
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo", "dapo", "ppo"])
+def test_message_prompts_need_a_chat_template(run, model_copy, name):
+    path = model_copy(drop_template=True)
+    rows = None
+    if name == "sft":  # plain-text columns train fine; the default accuracy set has message prompts
+        message = run(name, "--model", path, "--accuracy-dataset", "data/arithmetic/prompts_test.jsonl")
+    else:
+        rows = [{**GOOD_ROW[name], "prompt": [{"role": "user", "content": "1 + 1?"}]}]
+        message = run(name, "--model", path, rows=rows)
+    assert "no chat template" in message and "--accuracy-dataset ''" in message
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_output_dir_that_cannot_be_written(run, tmp_path, name):
+    (tmp_path / "a_file").write_text("x")
+    assert "is a file, not a folder" in run(name, "--output-dir", str(tmp_path / "a_file" / "runs"))
+    assert "cannot write in /proc" in run(name, "--output-dir", "/proc/posttrain-runs")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_track_without_a_wandb_login(run, monkeypatch, tmp_path, name):
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    assert "--track: no Weights & Biases login" in run(name, "--track")
+
+
+# ---- class 2 and 3: --resume ----
+
+
+def fake_run(tmp_path, script, model, ppo_critic=False, truncate=False):
+    """A run dir as the scripts write it, with a whole (or truncated) checkpoint at step 1."""
+    run_dir = tmp_path / "old_run"
+    ckpt = run_dir / "checkpoints" / "step_1"
+    for folder in [ckpt] + ([ckpt / "critic"] if ppo_critic else []):
+        folder.mkdir(parents=True)
+        save_file({"w": torch.zeros(64, 64)}, str(folder / "model.safetensors"))
+        torch.save({"step": 1}, folder / "trainer_state.pt")
+    if truncate:
+        data = (ckpt / "model.safetensors").read_bytes()
+        (ckpt / "model.safetensors").write_bytes(data[:-100])
+    (run_dir / "config.json").write_text(json.dumps({"args": {"model": model}, "script": script}))
+    return str(run_dir)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_checks(run, tmp_path, tiny_model, name):
+    other = "sft" if name != "sft" else "grpo"
+    message = run(name, "--resume", fake_run(tmp_path / "a", f"{other}.py", tiny_model))
+    assert f"was made by {other}.py, not {name}.py" in message
+    message = run(name, "--resume", fake_run(tmp_path / "b", f"{name}.py", "some/other-model"))
+    assert "the run was made with --model some/other-model" in message
+    message = run(name, "--resume", fake_run(tmp_path / "c", f"{name}.py", tiny_model, truncate=True))
+    assert "--resume: checkpoint" in message and "model.safetensors is missing or truncated" in message
+    message = run(name, "--resume", fake_run(tmp_path / "d", f"{name}.py", tiny_model), "--num-steps", "1")
+    assert "not before --num-steps 1" in message
+    os.remove(tmp_path / "d" / "old_run" / "checkpoints" / "step_1" / "trainer_state.pt")
+    assert "trainer_state.pt" in run(name, "--resume", str(tmp_path / "d" / "old_run"))
+
+
+def test_ppo_resume_needs_the_critic_checkpoint(run, tmp_path, tiny_model):
+    message = run("ppo", "--resume", fake_run(tmp_path, "ppo.py", tiny_model))
+    assert "critic has no weights" in message
+
+
+# ---- reward functions (class 2, 3 and 4): checked on a test call before anything starts ----
+
+
+@pytest.mark.parametrize("name", RL)
+@pytest.mark.parametrize(
+    "body,expected",
+    [("return '1.0'", "returned '1.0', not a finite number"), ("return float('nan')", "returned nan"),
+     ("return None", "returned None"), ("raise KeyError('x')", "failed (test calls before the run, row 1): KeyError"),
+     ("import time; time.sleep(60)", "did not return within 1 s")],
+)  # fmt: skip
+def test_bad_reward_functions_are_caught_by_the_test_call(run, tmp_path, name, body, expected):
+    path = tmp_path / "my_reward.py"
+    path.write_text(f"def my_reward(response, answer):\n    {body}\n")
+    message = run(name, "--reward-fn", f"{path}:my_reward", "--reward-timeout", "1")
+    assert "reward function my_reward" in message and expected in message
+
+
+# ---- the peer-derived wrong numbers ----
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo"])
+def test_all_equal_groups_get_exactly_zero_advantage(name):
+    module = importlib.import_module(name)
+    for value in (0.9, 42.7, -3.3, 1e-3):
+        rewards = torch.full((16,), value)
+        assert torch.equal(module.compute_advantages(rewards, 8), torch.zeros(16)), value
+    mixed = torch.tensor([0.9] * 8 + [1.0, 0.0] * 4)
+    adv = module.compute_advantages(mixed, 8)
+    assert torch.equal(adv[:8], torch.zeros(8)) and adv[8:].abs().min() > 0.5
+
+
+def test_ppo_whitening_of_equal_advantages_is_zero():
+    import ppo
+
+    x, mask = torch.full((2, 5), 0.9), torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2])
+    assert torch.equal(ppo.masked_whiten(x, mask), torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("name", RL)
+def test_huge_log_ratio_with_zero_advantage_is_not_nan(name):
+    module = importlib.import_module(name)
+    logprobs, old, adv = torch.tensor([0.0, 0.0]), torch.tensor([-500.0, 500.0]), torch.zeros(2)
+    clip = (0.2, 0.28) if name == "dapo" else (0.2,)
+    loss, _ = module.compute_policy_loss(logprobs, old, adv, *clip)
+    assert torch.equal(loss, torch.zeros(2))
+
+
+def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
+    """rm.py trains the score at the last token of encode_example's ids (the chat template's rendering, ending
+    after the end-of-turn token); ppo.py must score the same ids, not vLLM's (which end at the end-of-turn)."""
+    import ppo
+    import rm
+    from common.data import encode_example, encode_prompt
+
+    prompt, response = [{"role": "user", "content": "What is 2 + 3?"}], "5"
+    trained = encode_example(tokenizer, prompt, response)[0]
+    assert ppo.reward_model_input(tokenizer, prompt, response) == trained
+    vllm_like = encode_prompt(tokenizer, prompt) + tokenizer(response, add_special_tokens=False).input_ids
+    vllm_like += [tokenizer.eos_token_id]  # what vLLM returns for a finished response
+    assert vllm_like != trained and trained[: len(vllm_like)] == vllm_like  # the template adds after the EOS
+    scorer = ppo.RewardModel.__ray_actor_class__(tiny_model)  # in-process, frozen, as ppo.py runs it
+    torch.nn.init.normal_(scorer.model.score.weight)
+    ids = torch.tensor([trained])
+    as_rm = rm.compute_rewards(scorer.model, ids, torch.arange(len(trained))[None])  # rm.py's reading
+    assert scorer.score([trained])[0] == pytest.approx(as_rm.item(), abs=1e-5)
+    assert abs(scorer.score([vllm_like])[0] - as_rm.item()) > 1e-3  # the old input read another token
+
+
+# ---- a few real processes: the exit status and stderr as a user sees them ----
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_one_error_line_in_a_real_process(tmp_path, name):
+    (tmp_path / "d.json").write_text("[{]")
+    result = run_script(f"{name}.py", "--dataset", str(tmp_path / "d.json"), "--output-dir", str(tmp_path / "runs"),
+                        timeout=120)  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1 and "not valid JSON" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
