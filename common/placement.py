@@ -47,7 +47,6 @@ def init_ray(num_bundles: int = 0) -> None:
     """Start a local Ray instance with room for `num_bundles` bundles, or join the cluster in $RAY_ADDRESS."""
     if ray.is_initialized():
         return
-    stop_on_signals()  # SIGTERM / Ctrl-C: one line, then the exit's ray.shutdown stops every actor
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Actors import `common` and the scripts' modules; make the repo importable wherever Ray starts them.
@@ -56,9 +55,10 @@ def init_ray(num_bundles: int = 0) -> None:
     runtime_env = {"env_vars": {"PYTHONPATH": pythonpath, **quiet}}
     if "RAY_ADDRESS" in os.environ:
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, logging_level="ERROR")
-        return
-    num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # logical CPUs: scheduling tokens, not cores
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, logging_level="ERROR")
+    else:
+        num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # logical CPUs: scheduling tokens, not cores
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, logging_level="ERROR")
+    stop_on_signals()  # after ray.init, which installs its own: one line, then the exit's ray.shutdown stops actors
 
 
 @dataclass

@@ -120,3 +120,33 @@ def assert_same_training(weights1: dict, weights2: dict, initial: dict):
         assert apart <= max(2, diff.numel() // 1000), f"{name}: {apart} of {diff.numel()} elements apart by > 1e-5"
     moved = max((weights1[n] - initial[n]).abs().max().item() for n in weights1 if n in initial)
     assert moved > 1e-3  # the comparison is not between two untouched models
+
+
+def parity_reward(tmp_path) -> str:
+    """A --reward-fn that depends on every sampled token (the parity of the response's length in characters)."""
+    path = tmp_path / "parity.py"
+    path.write_text("def reward(response, answer):\n    return float(len(response) % 2)\n")
+    return f"{path}:reward"
+
+
+def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 1):
+    """Resume the finished run `run_dir` (made by `script` with `flags` and --save-every) from checkpoints/step_N:
+    the steps after N must log exactly what the uninterrupted run logged (timings aside)."""
+    before = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
+    result = run_script(script, *flags, "--resume", os.path.join(run_dir, "checkpoints", f"step_{step}"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in after] == [r["step"] for r in before]
+    resampled = read_jsonl(os.path.join(run_dir, "samples.jsonl"))[len(samples) :]  # appended by the resumed run
+    assert resampled == [r for r in samples if r["step"] > step]  # the same responses, token for token
+
+    def numbers(row):
+        return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+
+    for old, new in zip(before, after):
+        assert numbers(old).keys() == numbers(new).keys(), (old, new)
+        for key, value in numbers(old).items():
+            assert new[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (
+                f"step {old['step']} {key}: {value} -> {new[key]}"
+            )

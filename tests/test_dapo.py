@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, only_run_dir, read_jsonl, run_script
+from conftest import REPO, assert_resume_is_exact, only_run_dir, read_jsonl, run_script
 
 import dapo
 
@@ -177,11 +177,12 @@ def test_dapo_two_steps_end_to_end(eager_model, tmp_path):
     reward = tmp_path / "parity.py"  # mixed rewards from a random model: the parity of the response's length
     reward.write_text("def reward(response, answer):\n    return float(len(response) % 2)\n")
     out = tmp_path / "runs"
-    result = run_script(
-        "dapo.py", "--model", eager_model, "--output-dir", str(out), "--num-steps", "2", "--num-generations", "4",
+    flags = (
+        "--model", eager_model, "--output-dir", str(out), "--num-steps", "2", "--num-generations", "4",
         "--prompts-per-step", "2", "--max-response-length", "8", "--overlong-buffer", "4", "--max-sampling-rounds", "2",
-        "--engine-memory", "0.25", "--learning-rate", "1e-3", "--reward-fn", f"{reward}:reward",
+        "--engine-memory", "0.25", "--learning-rate", "1e-3", "--reward-fn", f"{reward}:reward", "--save-every", "1",
     )  # fmt: skip
+    result = run_script("dapo.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = only_run_dir(out)
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -196,3 +197,4 @@ def test_dapo_two_steps_end_to_end(eager_model, tmp_path):
     start = AutoModelForCausalLM.from_pretrained(eager_model)
     moved = max((a - b).abs().max().item() for a, b in zip(final.parameters(), start.parameters()))
     assert moved > 1e-5  # the trained groups changed the weights
+    assert_resume_is_exact("dapo.py", flags, run_dir)  # rounds are seeded per step, round and prompt

@@ -8,7 +8,7 @@ import sys
 import pytest
 import ray
 import torch
-from conftest import REPO, only_run_dir, read_jsonl, run_script
+from conftest import REPO, assert_resume_is_exact, only_run_dir, parity_reward, read_jsonl, run_script
 
 import grpo
 from common.data import encode_prompt, split_for_ranks
@@ -126,10 +126,12 @@ def grpo_args(model, out, *extra):
             "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
 
 
-def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm(tiny_model, tmp_path):
-    result = run_script("grpo.py", *grpo_args(tiny_model, tmp_path, "--num-steps", "2", "--num-trainers", "2"))
+def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(tiny_model, tmp_path):
+    extra = ("--num-steps", "2", "--num-trainers", "2", "--save-every", "1", "--reward-fn", parity_reward(tmp_path))
+    flags = grpo_args(tiny_model, tmp_path / "runs", *extra)
+    result = run_script("grpo.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = only_run_dir(tmp_path)
+    run_dir = only_run_dir(tmp_path / "runs")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[-1]["train/logprob_diff_max"] < 1e-4  # step 2 sampled from the weights pushed after step 1
@@ -145,6 +147,7 @@ def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm(tiny_model, tmp_path
     )
     check = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert "TOKENS" in check.stdout, check.stderr[-3000:]
+    assert_resume_is_exact("grpo.py", flags, run_dir)  # sampling is seeded per step and prompt
 
 
 def test_crashing_reward_fn_fails_before_generation(tiny_model, tmp_path):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import only_run_dir, read_jsonl, run_script
+from conftest import assert_resume_is_exact, only_run_dir, parity_reward, read_jsonl, run_script
 
 import ppo
 
@@ -114,11 +114,12 @@ def ppo_args(model, out, *extra):
             "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
 
 
-def test_ppo_end_to_end_with_verifier(tiny_model, tmp_path):
-    extra = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16")
-    result = run_script("ppo.py", *ppo_args(tiny_model, tmp_path, *extra))
+def test_ppo_end_to_end_with_verifier_resumes_exactly(tiny_model, tmp_path):
+    extra = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16", "--save-every", "1")
+    extra += ("--reward-fn", parity_reward(tmp_path))  # rewards that depend on what was sampled
+    result = run_script("ppo.py", *ppo_args(tiny_model, tmp_path / "runs", *extra))
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = only_run_dir(tmp_path)
+    run_dir = only_run_dir(tmp_path / "runs")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
     for key in ("train/policy_loss", "train/value_loss", "train/clipfrac", "train/approx_kl", "train/kl",
@@ -129,6 +130,8 @@ def test_ppo_end_to_end_with_verifier(tiny_model, tmp_path):
     assert rows[1]["train/kl_coef"] == 0.01 and rows[2]["train/kl_coef"] == pytest.approx(0.01 * (1 - 0.2 * 8 / 16))
     assert read_jsonl(os.path.join(run_dir, "samples.jsonl"))
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "config.json"))
+    # β adapted so far comes back from ppo_state.json; sampling is seeded per step and prompt
+    assert_resume_is_exact("ppo.py", ppo_args(tiny_model, tmp_path / "runs", *extra), run_dir)
 
 
 def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):

@@ -149,5 +149,5 @@ def test_bad_pairs_fail_fast_naming_the_row(case, tiny_model, tmp_path):
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "row 2" in last, result.stderr[-2000:]
-    assert ("identical" if case == "identical" else "empty") in last
+    assert {"identical": "identical", "empty_chosen": "is empty", "empty_message": "has no text content"}[case] in last
     assert "Traceback" not in result.stderr and not out.exists()

@@ -1,0 +1,181 @@
+"""Faults after start-up, in real runs of grpo.py with a tiny model: each ends the run with one `error:` line naming
+what failed and where, within a minute, keeps the checkpoints already written, and leaves no process behind.
+(dapo.py and ppo.py reach the same code: common/checks.py's call_reward and RunError, common/placement.py's
+wait_all; their trainers' non-finite check is tested in test_gpu_paths-style, in-process, below.)"""
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+from conftest import REPO, only_run_dir, read_jsonl
+
+from common.checks import call_reward, check_weights
+from common.data import split_for_ranks
+
+FLAGS = ("--num-generations", "4", "--prompts-per-step", "4", "--max-response-length", "8", "--engine-memory",
+         "0.25", "--eval-dataset", "")  # fmt: skip
+
+
+def processes(marker: str, name: str = "") -> list[int]:
+    """Processes started by one run (they inherit its marker environment variable), optionally by command line."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if f"POSTTRAIN_TEST_RUN={marker}".encode() in env and name.encode() in cmd and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+class Run:
+    """grpo.py in the background; `wait_for(text)` reads its stdout until a line contains text."""
+
+    def __init__(self, model, out, *flags):
+        self.marker = uuid.uuid4().hex
+        env = dict(os.environ, PYTHONUNBUFFERED="1", POSTTRAIN_TEST_RUN=self.marker)
+        argv = [sys.executable, os.path.join(REPO, "grpo.py"), "--model", model, "--output-dir", str(out), *FLAGS]
+        self.proc = subprocess.Popen([*argv, *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def wait_for(self, text: str, timeout: float = 300):
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            if text in line:
+                return
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s"
+        raise AssertionError(f"grpo.py ended before printing {text!r}: {self.proc.stderr.read()[-3000:]}")
+
+    def finish(self, within: float) -> tuple[int, str]:
+        """Wait for the exit (at most `within` s); its status and its `error:` line. Then no process may remain."""
+        try:
+            self.proc.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"the run did not end within {within} s") from None
+        stderr = self.proc.stderr.read()
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        deadline = time.monotonic() + 30
+        while processes(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not processes(self.marker), "processes of the run are still alive 30 s after it ended"
+        return self.proc.returncode, errors[0]
+
+
+@pytest.mark.parametrize("actor", ["Engine", "Trainer"])
+def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, actor):
+    run = Run(tiny_model, tmp_path, "--num-steps", "50")
+    run.wait_for("run dir:")  # everything is up; the first step starts
+    victims = processes(run.marker, f"ray::{actor}")
+    assert victims, f"no ray::{actor} process found"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    status, error = run.finish(within=60)
+    assert status == 1 and f"{actor}#0 died during" in error, error
+
+
+def test_sigterm_stops_the_run_and_its_actors(tiny_model, tmp_path):
+    run = Run(tiny_model, tmp_path, "--num-steps", "50")
+    run.wait_for("run dir:")
+    run.proc.send_signal(signal.SIGTERM)
+    status, error = run.finish(within=60)
+    assert status == 1 and error == "error: stopped by SIGTERM"
+
+
+def test_nan_reward_stops_before_training_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
+    reward = tmp_path / "flaky.py"  # fine for the 2 test calls and step 1 (4 prompts x 4 samples), then NaN
+    reward.write_text("calls = 0\ndef flaky(response, answer):\n    global calls\n    calls += 1\n"
+                      "    return 0.0 if calls <= 18 else float('nan')\n")  # fmt: skip
+    run = Run(tiny_model, tmp_path / "runs", "--num-steps", "3", "--save-every", "1", "--reward-fn", f"{reward}:flaky")
+    status, error = run.finish(within=600)
+    assert status == 1 and "reward function flaky returned nan, not a finite number (step 2, prompt row" in error
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1]
+    check_weights(os.path.join(run_dir, "checkpoints", "step_1"), "checkpoint")  # whole
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]  # no final model
+
+
+def test_a_hanging_reward_function_is_stopped_by_the_timeout(tiny_model, tmp_path):
+    reward = tmp_path / "stuck.py"  # fine for the 2 test calls, then hangs
+    reward.write_text("import time\ncalls = 0\ndef stuck(response, answer):\n    global calls\n    calls += 1\n"
+                      "    if calls > 2:\n        time.sleep(3600)\n    return 0.0\n")  # fmt: skip
+    run = Run(tiny_model, tmp_path, "--num-steps", "3", "--reward-fn", f"{reward}:stuck", "--reward-timeout", "5")
+    run.wait_for("run dir:")
+    started = time.monotonic()
+    status, error = run.finish(within=120)
+    assert status == 1 and "reward function stuck did not return within 5 s (step 1, prompt row" in error
+    assert time.monotonic() - started < 60
+
+
+def test_reward_errors_name_the_function_step_and_row():
+    def picky(response, answer):
+        if response == "bad":
+            raise ValueError("cannot parse")
+        return 1.0
+
+    pairs, labels = [("ok", "1"), ("bad", "1")], ["prompt row 7, sample 1", "prompt row 7, sample 2"]
+    with pytest.raises(SystemExit, match=r"^error: reward function picky failed \(step 4, prompt row 7, sample 2\)"):
+        call_reward(picky, pairs, "step 4", 5, labels)
+
+
+@pytest.fixture
+def one_rank_group():
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    yield "127.0.0.1", port
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "ppo-critic"])
+def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tiny_model, name):
+    """Every trainer (and ppo.py's critic) raises before optimizer.step() when the gradient norm is NaN or inf,
+    so the weights stay as they were (the driver then stops with one line naming the actor and step)."""
+    module = importlib.import_module(name.split("-")[0])
+    addr, port = one_rank_group
+    args = module.Args(learning_rate=1e-3)
+    nan = float("nan")
+    if name == "ppo-critic":
+        actor = module.Critic.__ray_actor_class__(args, tiny_model, 0, 1, addr, port)
+        seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[1.0] * 2, returns=[nan] * 2,
+                                   old_values=[0.0] * 2, loss_weights=[0.5] * 2)  # fmt: skip
+        call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
+    elif name in ("grpo", "dapo", "ppo"):
+        paths = (tiny_model, tiny_model) if name == "ppo" else (tiny_model,)
+        actor = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
+        extra = {"old_logprobs": [-1.0] * 2} if name == "ppo" else {"engine_logprobs": [-1.0] * 2}
+        seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2, **extra)
+        call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
+    elif name == "sft":
+        actor = module.Trainer.__ray_actor_class__(args, tiny_model, 0, 1, addr, port)
+        seq = module.make_sequence([5, 6, 7, 8, 9], [0, 0, 0, 1, 1])
+        call = lambda: actor.train_step(split_for_ranks([seq], 1, 64)[0], 0, 0)  # noqa: E731  (0 tokens: 0/0)
+    else:  # rm, dpo: "0 pairs in the batch" divides the loss by 0
+        paths = (tiny_model, tiny_model) if name == "dpo" else (tiny_model,)
+        actor = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
+        if name == "rm":
+            pair = module.make_pair([5, 6, 7, 8], [5, 6, 7, 9], margin=0.0)
+        else:
+            pair = module.make_pair(([5, 6, 7, 8], [0, 0, 1, 1]), ([5, 6, 7, 9], [0, 0, 1, 1]))
+        call = lambda: actor.train_step(split_for_ranks([pair], 1, 64)[0], 0, 0)  # noqa: E731
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    with pytest.raises(FloatingPointError, match=r"non-finite .*gradient norm \((nan|inf)\) at step 1"):
+        call()
+    after = list(actor.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "the optimizer stepped on NaN gradients"
