@@ -45,7 +45,10 @@ def test_empty_value_and_bad_messages(tmp_path):
     with pytest.raises(InputError, match="row 1 column 'prompt' is empty"):
         validate_rows(rows, ["prompt", "answer"], "x")
     rows = [{"prompt": [{"role": "user"}], "answer": "1"}]
-    with pytest.raises(InputError, match="list of role/content messages"):
+    with pytest.raises(InputError, match=r"row 1 column 'prompt': message 1 \(user\) has no text content"):
+        validate_rows(rows, ["prompt", "answer"], "x")
+    rows = [{"prompt": [{"content": "hi"}], "answer": "1"}]
+    with pytest.raises(InputError, match=r"message 1 is not a \{role, content\} object"):
         validate_rows(rows, ["prompt", "answer"], "x")
 
 
