@@ -192,6 +192,31 @@ def test_rm_margin_must_be_a_number(run):
     assert "row 2 column 'margin' must be a number >= 0 (got 'big')" in message
 
 
+PAIR = {"prompt": [{"role": "user", "content": "1 + 1?"}], "chosen": "2", "rejected": "3"}
+ROW_CASES = [  # (script, rows, flags, what the line names): rows that only one script reads
+    ("sft", [{"prompt": "hi"}], [], "no column 'completion'"),
+    ("sft", None, ["--num-trainers", "2", "--batch-size", "3"], "not divisible"),
+    ("sft", None, ["--max-length", "8", "--max-tokens-per-micro-batch", "8"], "longer than --max-length"),
+    ("rm", [PAIR, {**PAIR, "chosen": "  "}], [], "row 2 column 'chosen' is empty"),
+    ("rm", [PAIR, {**PAIR, "rejected": " 2 "}], [], "row 2 has identical"),
+    ("rm", [PAIR, {**PAIR, "rejected": [{"role": "assistant", "content": ""}]}], [], "row 2 column 'rejected': mes"),
+    ("dpo", [PAIR, {**PAIR, "rejected": ""}], [], "row 2 column 'rejected' is empty"),
+    ("dpo", [PAIR, {**PAIR, "rejected": " 2 "}], [], "row 2 has identical"),
+    ("dpo", None, ["--ipo", "--label-smoothing", "0.1"], "--ipo"),
+    *[(n, None, ["--max-prompt-length", "10"], "longer than --max-prompt-length 10") for n in RL],
+]
+
+
+@pytest.mark.parametrize("name,rows,flags,expected", ROW_CASES)
+def test_script_specific_rows_and_flags(run, name, rows, flags, expected):
+    assert expected in run(name, *flags, rows=rows)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_model_that_does_not_exist(run, tmp_path, name):
+    assert "does not exist" in run(name, "--model", str(tmp_path / "no_such_model"))
+
+
 # ---- class 2: model, tokenizer, output dir, tracking ----
 
 

@@ -1,6 +1,5 @@
-"""dpo.py: DPO / cDPO / IPO losses, summed response logprobs, FSDP2 across ranks, end-to-end runs, bad inputs."""
+"""dpo.py: DPO / cDPO / IPO losses, summed response logprobs, FSDP2 across ranks, end-to-end runs (bad input: test_bad_input.py)."""
 
-import json
 import math
 import os
 
@@ -122,22 +121,3 @@ def test_dpo_end_to_end_loads_in_transformers(tiny_model, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "final"))
     assert model.config.num_hidden_layers == 2
     assert len(read_jsonl(os.path.join(run_dir, "samples.jsonl"))) == 2 * 64  # greedy samples at steps 0 and 3
-
-
-@pytest.mark.parametrize("case", ["empty_rejected", "identical", "ipo_with_smoothing"])
-def test_bad_inputs_fail_fast_naming_the_row(case, tiny_model, tmp_path):
-    good = {"prompt": [{"role": "user", "content": "1 + 1?"}], "chosen": "2", "rejected": "3"}
-    bad = {**good, "rejected": ""} if case == "empty_rejected" else {**good, "rejected": " 2 "}
-    data = tmp_path / "pairs.jsonl"
-    data.write_text(json.dumps(good) + "\n" + json.dumps(good if case == "ipo_with_smoothing" else bad) + "\n")
-    extra = ["--ipo", "--label-smoothing", "0.1"] if case == "ipo_with_smoothing" else []
-    out = tmp_path / "runs"
-    result = run_script(
-        "dpo.py", "--model", tiny_model, "--dataset", str(data), "--eval-dataset", "", "--accuracy-dataset", "",
-        "--output-dir", str(out), *extra, timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    want = {"empty_rejected": "row 2 column 'rejected' is empty", "identical": "row 2 has identical"}
-    assert last.startswith("error: ") and want.get(case, "--ipo") in last, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and not out.exists()

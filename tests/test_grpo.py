@@ -150,24 +150,6 @@ def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(
     assert_resume_is_exact("grpo.py", flags, run_dir)  # sampling is seeded per step and prompt
 
 
-def test_crashing_reward_fn_fails_before_generation(tiny_model, tmp_path):
-    bad = tmp_path / "bad_reward.py"
-    bad.write_text("def reward(response, answer):\n    raise KeyError('boom')\n")
-    result = run_script(
-        "grpo.py", *grpo_args(tiny_model, tmp_path / "runs", "--reward-fn", f"{bad}:reward"), timeout=120
-    )
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode != 0 and last.startswith("error: ") and "KeyError" in last, result.stderr[-2000:]
-    assert not (tmp_path / "runs").exists()
-
-
-def test_long_prompts_fail_before_generation(tiny_model, tmp_path):
-    result = run_script("grpo.py", *grpo_args(tiny_model, tmp_path / "runs", "--max-prompt-length", "10"), timeout=120)
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode != 0 and "longer than --max-prompt-length 10" in last, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
-
-
 # GPU tier: the recommended one-GPU mode end to end. The engine shares the trainer's GPU (each asks Ray for half of
 # it), sleeps while the trainer trains, and takes the weights by CUDA IPC. bf16 on both sides: the probe's
 # tolerance is bf16's, and a missed weight update would still fail it (the learning rate moves the weights).

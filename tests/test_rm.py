@@ -1,6 +1,5 @@
-"""rm.py: the Bradley-Terry loss, where the reward is read, FSDP2 across ranks, end-to-end runs and bad inputs."""
+"""rm.py: the Bradley-Terry loss, where the reward is read, FSDP2 across ranks, end-to-end runs (bad input: test_bad_input.py)."""
 
-import json
 import math
 import os
 
@@ -129,25 +128,3 @@ def test_rm_end_to_end_loads_in_transformers(tiny_model, tokenizer, tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids, ids])).logits
     assert logits.shape == (2, 1) and torch.isfinite(logits).all()
-
-
-@pytest.mark.parametrize("case", ["empty_chosen", "identical", "empty_message"])
-def test_bad_pairs_fail_fast_naming_the_row(case, tiny_model, tmp_path):
-    good = {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}
-    bad = {
-        "empty_chosen": {**good, "chosen": "  "},
-        "identical": {**good, "rejected": "2"},
-        "empty_message": {**good, "rejected": [{"role": "assistant", "content": ""}]},
-    }[case]
-    data = tmp_path / "pairs.jsonl"
-    data.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    out = tmp_path / "runs"
-    result = run_script(
-        "rm.py", "--model", tiny_model, "--dataset", str(data), "--eval-dataset", "", "--output-dir", str(out),
-        timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "row 2" in last, result.stderr[-2000:]
-    assert {"identical": "identical", "empty_chosen": "is empty", "empty_message": "has no text content"}[case] in last
-    assert "Traceback" not in result.stderr and not out.exists()
