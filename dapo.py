@@ -27,22 +27,23 @@ from typing import NamedTuple
 
 import ray
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checks import call_reward, check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
-from common.engines import sample_seeds, spawn_engines
-from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
+from common.engines import generate, spawn_engines
+from common.model import (
+    BUILTIN_MODEL,
+    attn_implementation,
+    empty_model,
+    load_optimizer,
+    load_weights,
+    resolve_model,
+    save_checkpoint,
+)
 from common.placement import (
     Layout,
     call,
@@ -52,10 +53,9 @@ from common.placement import (
     make_placement_group,
     rendezvous_address,
     spawn_trainers,
-    wait_all,
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
-from common.tracking import Run, check_resume, save_hf_folder
+from common.tracking import Run, check_resume
 from common.weight_sync import choose_backend, init_weight_sync
 
 
@@ -261,6 +261,19 @@ def loss_weights(response_lengths: list[int]) -> list[list[float]]:
     return [[1.0 / total] * length for length in response_lengths]
 
 
+def compute_loss(logprobs, old_logprobs, engine_logprobs, advantages, weights, args: Args, ref_logprobs=None):
+    """The loss on one micro-batch's response tokens (all inputs (N,)), and its per-token stats to sum:
+        L = Σ_t w_t min(π_θold / π_vllm, C) · clipped surrogate_t     DAPO (no-kl): no β KL_k3,t; ref_logprobs is None
+    TIS: the tokens were sampled by vLLM, whose numerics differ from the trainer's, not by π_θold itself; each
+    token is reweighted by its capped likelihood ratio. w_t are loss_weights (the aggregation over responses).
+    """
+    tis = torch.exp(old_logprobs - engine_logprobs).clamp(max=args.tis_cap)
+    pg_loss, clipped = compute_policy_loss(logprobs, old_logprobs, advantages, args.clip_eps_low, args.clip_eps_high)
+    token_loss = tis * pg_loss  # DAPO (no-kl): no β KL term; (clip-higher): ε_low and ε_high above
+    stats = {"clipped_tokens": clipped.sum(), "tis_sum": tis.sum()}
+    return (token_loss * weights).sum(), stats
+
+
 def lr_at(step: int, args: Args) -> float:
     """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
     if step < args.warmup_steps:
@@ -295,8 +308,8 @@ class Prompt(NamedTuple):
 def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
     """One training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
 
-    Per-token values (advantage, sampling logprob, loss weight) sit at the positions that predict response
-    tokens, so they line up with the logprobs that compute_logprobs returns for the masked positions.
+    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that predict response
+    tokens, so they line up with what compute_logprobs (and ppo.py's compute_values) return for the masked positions.
     """
     ids = prompt + response
     pad = [0.0] * (len(prompt) - 1)
@@ -316,7 +329,7 @@ class Trainer:
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
         self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        # DAPO (no-kl): no frozen reference model
+        self.ref = None  # DAPO (no-kl): no frozen reference model (the lines that use it below never run)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
@@ -349,34 +362,35 @@ class Trainer:
         with torch.no_grad():
             for mb in micro_batches:
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature)
-                # DAPO (no-kl): no reference logprobs
+                if self.ref is not None:
+                    mb["ref_logprobs"] = compute_logprobs(self.ref, *inputs)
                 if not one_update:  # π_θold: the policy before this step's first update
                     mb["old_logprobs"] = compute_logprobs(self.model, *inputs)
         self.model.train()
         for epoch in range(args.num_epochs):
             for mini in minibatches:
                 for i, mb in enumerate(mini):
+                    # Reduce-scatter gradients only after the minibatch's last micro-batch; until then accumulate.
                     self.model.set_requires_gradient_sync(i == len(mini) - 1)
-                    m = mb["loss_mask"][0].bool()
+                    m = mb["loss_mask"][0].bool()  # the response tokens: where compute_logprobs returns values
                     logprobs = compute_logprobs(
                         self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature
                     )  # (N,)
                     # One update per rollout: this forward *is* π_θold, so the ratio is exactly 1.
                     old_logprobs = logprobs.detach() if one_update else mb["old_logprobs"]
                     engine_logprobs = mb["engine_logprobs"][0, m]
-                    # TIS: tokens were sampled by vLLM, not by π_θold; reweight by their capped likelihood ratio.
-                    tis = torch.exp(old_logprobs - engine_logprobs).clamp(max=args.tis_cap)
-                    pg_loss, clipped = compute_policy_loss(  # DAPO (clip-higher): ε_low and ε_high
-                        logprobs, old_logprobs, mb["advantages"][0, m], args.clip_eps_low, args.clip_eps_high
+                    advantages, weights = mb["advantages"][0, m], mb["loss_weights"][0, m]
+                    loss, token_stats = compute_loss(
+                        logprobs, old_logprobs, engine_logprobs, advantages, weights, args, mb.get("ref_logprobs")
                     )
-                    per_token = tis * pg_loss  # DAPO (no-kl): no β KL term
-                    loss = (per_token * mb["loss_weights"][0, m]).sum() * mb["loss_scale"]
-                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
+                    # loss_scale: 1, or 0 for a filler micro-batch that only keeps the ranks' collectives in step
                     real = mb["loss_scale"].item()
+                    loss = loss * mb["loss_scale"]
+                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
                     stats["loss"] += loss.item()
                     stats["tokens"] += m.sum().item() * real
-                    stats["clipped_tokens"] += clipped.sum().item() * real
-                    stats["tis_sum"] += tis.sum().item() * real
+                    for key, value in token_stats.items():
+                        stats[key] += value.item() * real
                     if epoch == 0 and real and m.any():  # before any update: trainer vs engine on the same weights
                         diff = (old_logprobs - engine_logprobs).abs()
                         stats["logprob_diff_sum"] += diff.sum().item()
@@ -396,43 +410,13 @@ class Trainer:
         return dict(stats)
 
     def save(self, path: str, step: int, with_optimizer: bool):
-        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
-        if self.rank == 0:
-            save_hf_folder(
-                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
-            )
-        dist.barrier()
+        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
 
     def load_optimizer(self, path: str):
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+        load_optimizer(self.model, self.optimizer, path)
 
 
-def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args, draw=None) -> list:
-    """Split the prompts over the engines, sample n responses each; results in prompt order.
-
-    `draw` (the step, or a step's round) seeds each prompt's samples by its place in the draw, so that a resumed
-    run samples the tokens the uninterrupted run sampled (sample_seeds).
-    """
-    k = len(engines)
-    seeds = sample_seeds(args.seed, draw, len(prompts)) if draw is not None else None
-    shards = [prompts[i::k] for i in range(k)]
-    refs = [
-        e.generate.remote(shard, n, temperature, args.top_p, args.max_response_length, seeds and seeds[i::k])
-        for i, (e, shard) in enumerate(zip(engines, shards))
-    ]
-    outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
-    results = [None] * len(prompts)
-    for i, out in enumerate(outs):
-        results[i::k] = out
-    return results
-
-
-def score_responses(score, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
+def score_responses(reward_function, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
     """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards), prompt-major.
 
     A reward function that raises, hangs or returns a non-number stops the run, naming the prompt row and sample.
@@ -441,7 +425,57 @@ def score_responses(score, batch: list, outs: list[list[dict]], tokenizer, where
     texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in outs for s in group]
     pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
     labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
-    return texts, torch.tensor(call_reward(score, pairs, where, args.reward_timeout, labels))
+    return texts, torch.tensor(call_reward(reward_function, pairs, where, args.reward_timeout, labels))
+
+
+def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list[list[dict]]]:
+    """The step's (prompt, response, token values) in a seeded shuffle, dealt into --num-minibatches minibatches;
+    each gets its loss weights and is packed for the data-parallel groups. Returns shares[rank][minibatch] =
+    that rank's micro-batches (the --sp-size ranks of a group get the same share)."""
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
+    minis = [[sequences[j] for j in order[k :: args.num_minibatches]] for k in range(args.num_minibatches)]
+    shares = [[] for _ in range(args.num_trainers)]
+    for mini in minis:
+        weights = loss_weights([len(response) for _, response, _ in mini])
+        seqs = [make_sequence(p, r, loss_weights=w, **values) for (p, r, values), w in zip(mini, weights)]
+        micros = split_for_ranks(seqs, args.num_trainers // args.sp_size, args.max_tokens_per_micro_batch)
+        for rank in range(args.num_trainers):
+            shares[rank].append(micros[rank // args.sp_size])
+    return shares
+
+
+def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
+    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style rows
+    (`question` + `answer`) become a user message."""
+    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
+    if args.eval_dataset:
+        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
+    for split, (rows, source) in datasets.items():
+        if rows and "prompt" not in rows[0] and "question" in rows[0]:
+            rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
+        validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
+        datasets[split] = (rows, source)
+    return datasets
+
+
+def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
+    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run, naming the
+    first, or with --drop-long are left out."""
+    ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
+    if too_long and not args.drop_long:
+        raise InputError(
+            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
+            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
+        )
+    prompts = [
+        Prompt(p, str(r.get("answer")), r["prompt"], row)
+        for row, (p, r) in enumerate(zip(ids, rows), 1)
+        if len(p) <= args.max_prompt_length
+    ]
+    if not prompts:
+        raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
+    return prompts
 
 
 def validate_args(args: Args) -> None:
@@ -449,17 +483,20 @@ def validate_args(args: Args) -> None:
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    check_ranges(args, {
-        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1", "reward_timeout": "> 0",
-        "max_prompt_length": ">= 1", "max_response_length": ">= 1", "num_trainers": ">= 1", "sp_size": ">= 1",
-        "num_engines": ">= 1", "engine_tp": ">= 1", "engine_memory": "> 0", "temperature": "> 0",
-        "top_p": "> 0, <= 1", "tis_cap": ">= 1", "num_minibatches": ">= 1", "num_epochs": ">= 1",
-        "num_steps": ">= 1", "prompts_per_step": ">= 1", "max_tokens_per_micro_batch": ">= 1",
-        "learning_rate": "> 0", "warmup_steps": ">= 0", "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0",
-        "max_grad_norm": "> 0",
-        "clip_eps_low": "> 0, < 1", "clip_eps_high": "> 0",  # DAPO (clip-higher), then the dynamic-sampling fields
-        "max_sampling_rounds": ">= 1", "overlong_buffer": f">= 0, < {args.max_response_length}",
-    })  # fmt: skip
+    check_ranges(
+        args,
+        {
+            ">= 0": "seed save_every warmup_steps weight_decay",
+            ">= 1": "eval_every max_prompt_length max_response_length num_trainers sp_size num_engines engine_tp "
+            "tis_cap num_minibatches num_epochs num_steps prompts_per_step max_tokens_per_micro_batch",
+            "> 0": "reward_timeout engine_memory temperature learning_rate max_grad_norm",
+            "> 0, <= 1": "top_p",
+            ">= 0, <= 1": "min_lr_ratio",
+        },
+    )
+    check_ranges(args, {"> 0, < 1": "clip_eps_low", "> 0": "clip_eps_high"})  # DAPO (clip-higher)
+    check_ranges(args, {">= 1": "max_sampling_rounds"})  # DAPO (dynamic-sampling)
+    check_ranges(args, {f">= 0, < {args.max_response_length}": "overlong_buffer"})  # DAPO (overlong-punishment)
     if args.num_generations < 2:
         raise InputError("--num-generations must be at least 2: the group is the baseline")
     if args.sp_size < 1 or args.num_trainers % args.sp_size:
@@ -480,64 +517,34 @@ def validate_args(args: Args) -> None:
         raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
 
 
-def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
-    validate_args(args)
-    G, dp_size = args.num_generations, args.num_trainers // args.sp_size
-    resume_step, run_dir = 0, None
-    if args.resume:  # same script and model, a whole checkpoint
-        run_dir, resume_ckpt, resume_step = check_resume(args.resume, args, os.path.basename(__file__))
-    else:
+def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
+    """The checks that need the file system or the machine (validate_args needs neither): the output dir or the
+    run to resume (same script and model, a whole checkpoint), the wandb login, enough GPUs. Returns whether
+    to use GPUs, and (run dir, checkpoint, step) of the run to resume or None."""
+    resume = check_resume(args.resume, args, script) if args.resume else None
+    if not args.resume:
         check_output_dir(args.output_dir)
     check_tracking(args.track)
-    gpus = args.num_trainers + (0 if args.colocate else args.num_engines * args.engine_tp)
-    use_gpu = check_devices(gpus)
+    use_gpu = check_devices(args.num_trainers + (0 if args.colocate else args.num_engines * args.engine_tp))
     if args.colocate and not use_gpu:
         raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
     if use_gpu and (args.engine_memory or 0) > 1:
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
-    score = load_function(args.reward_fn) if args.reward_fn else reward_fn
-    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
-    if args.eval_dataset:
-        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
-    for split, (rows, source) in datasets.items():
-        if rows and "prompt" not in rows[0] and "question" in rows[0]:  # GSM8K style: question + answer
-            rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
-        validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
-        datasets[split] = (rows, source)
-    answer = str(datasets["train"][0][0]["answer"])  # a broken reward function should fail now, not after a rollout
-    call_reward(score, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
-    model_path = resolve_model(args.model)
-    check_weights(model_path, "model")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = {}
-    for split, (rows, source) in datasets.items():
-        ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-        too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
-        if too_long and not args.drop_long:
-            raise InputError(
-                f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
-                f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
-            )
-        prompts[split] = [
-            Prompt(p, str(r["answer"]), r["prompt"], row)
-            for row, (p, r) in enumerate(zip(ids, rows), 1)
-            if len(p) <= args.max_prompt_length
-        ]
-        if not prompts[split]:
-            raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
+    return use_gpu, resume
 
-    # ---- start Ray, place trainers and engines, connect them for weight sync ----
+
+def start_actors(args: Args, use_gpu: bool, model_path: str) -> tuple[list, list]:
+    """Start Ray, place the trainers and engines (common/placement.py's Layout), load `model_path` in both (the
+    model, or the checkpoint to resume), and connect them for the weight sync. Returns (trainers, engines)."""
     layout = Layout(use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate)
     init_ray(len(layout.bundles))
     pg = make_placement_group(layout.bundles, use_gpu)
-    start_from = resume_ckpt if args.resume else model_path
-    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from)
+    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, model_path)
     backend = choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
         pg,
         layout.engines,
-        model_path=start_from,
+        model_path=model_path,
         seed=args.seed,
         backend=backend,
         tp=args.engine_tp,
@@ -548,29 +555,65 @@ def main(args: Args):
     )
     addr, port = rendezvous_address(pg, 0)  # on trainer rank 0's node: it is the sender
     call(trainers, "init_weight_sync", engines, backend, addr, port)
+    return trainers, engines
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    validate_args(args)
+    G = args.num_generations  # the group size
+    use_gpu, resume = check_machine(args, os.path.basename(__file__))
+    run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
+    reward_function = load_function(args.reward_fn) if args.reward_fn else reward_fn
+    datasets = read_prompt_rows(args)
+    answer = str(datasets["train"][0][0]["answer"])  # a broken reward function should fail now, not after a rollout
+    call_reward(reward_function, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
+    model_path = resolve_model(args.model)
+    check_weights(model_path, "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = {split: encode_prompts(rows, source, tokenizer, args) for split, (rows, source) in datasets.items()}
+
+    # ---- start Ray, place trainers and engines, connect them for weight sync ----
+    trainers, engines = start_actors(args, use_gpu, resume_ckpt or model_path)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  G: {G}")
 
+    sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
+
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        outs = generate(engines, [p.ids for p in prompts["eval"]], 1, 0.0, args)  # greedy
-        _, rewards = score_responses(score, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
+        outs = generate(engines, [p.ids for p in prompts["eval"]], n=1, temperature=0.0, **sampling)  # greedy
+        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
         return {"eval/accuracy": rewards.mean().item()}
 
     def rollout(step: int, k: int) -> tuple:  # DAPO (dynamic-sampling): fresh prompts per round, seeded per round
-        draw = step * args.max_sampling_rounds + k
+        draw = step * args.max_sampling_rounds + k  # pure in the step (exact --resume); unused rounds' prompts skipped
         batch = [train[i] for i in batch_rows(draw, len(train), args.prompts_per_step, args.seed)]
-        outs = generate(engines, [p.ids for p in batch], G, args.temperature, args, draw=draw)
-        texts, scores = score_responses(score, batch, outs, tokenizer, f"step {step + 1}", args)  # (B*G,) scores
+        outs = generate(engines, [p.ids for p in batch], n=G, temperature=args.temperature, draw=draw, **sampling)
+        texts, scores = score_responses(reward_function, batch, outs, tokenizer, f"step {step + 1}", args)  # (B*G,)
         penalties = torch.tensor([overlong_penalty(len(s["token_ids"]), args) for group in outs for s in group])
         texts = [texts[i * G : (i + 1) * G] for i in range(len(batch))]
         return list(zip(batch, outs, texts)), scores + penalties, scores  # DAPO (overlong-punishment): in the reward
 
-    # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
+
+    def end_step(done: int, metrics: dict, batch: list[Prompt], texts: list[str], rewards: torch.Tensor):
+        """Evaluate (every --eval-every steps and after the last), log the metrics and the first two groups as
+        samples, and save a resumable checkpoint every --save-every steps."""
+        if done % args.eval_every == 0 or done == args.num_steps:
+            metrics.update(evaluate(done))
+        run.log(done, metrics, console)
+        samples = [(batch[i // G], texts[i], rewards[i].item()) for i in range(min(len(texts), 2 * G))]
+        run.log_samples(
+            done, [{"prompt": p.text, "response": t, "answer": p.answer, "reward": r} for p, t, r in samples]
+        )
+        if args.save_every and done % args.save_every == 0 and done < args.num_steps:
+            call(trainers, "save", run.checkpoint_dir(done), done, True)
+
+    # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
@@ -584,8 +627,13 @@ def main(args: Args):
         batch, outs, texts = [g[0] for g in groups], [g[1] for g in groups], [t for g in groups for t in g[2]]
         # DAPO (overlong-filtering): truncated responses are left out of the loss (their reward still counts in Â)
         kept = kept.repeat_interleave(G) & torch.tensor([s["finish_reason"] != "length" for o in outs for s in o])
-        if not kept.any():  # DAPO (dynamic-sampling): the cap came before any trainable group: no update
-            run.log(step + 1, metrics := {"rollout/reward": rewards.mean().item(), "rollout/sampling_rounds": rounds})
+        sampling_metrics = {  # DAPO (dynamic-sampling): rounds used, groups trained, prompts of unused rounds skipped
+            "rollout/sampling_rounds": rounds,
+            "rollout/kept_groups": int(kept.view(-1, G).any(dim=1).sum()),
+            "rollout/prompts_skipped": (args.max_sampling_rounds - rounds) * args.prompts_per_step,
+        }
+        if not kept.any():  # DAPO (dynamic-sampling): the cap came first: no update this step, the rest as usual
+            end_step(step + 1, {"rollout/reward": rewards.mean().item(), **sampling_metrics}, batch, texts, rewards)
             continue
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
@@ -600,18 +648,9 @@ def main(args: Args):
         sequences = []
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
-            per_token = {"advantages": [advantages[i].item()] * lengths[i], "engine_logprobs": s["logprobs"]}
-            sequences.append((batch[i // G].ids, s["token_ids"], per_token))
-        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
-        minis = [[sequences[j] for j in order[k :: args.num_minibatches]] for k in range(args.num_minibatches)]
-        shares = [[] for _ in range(args.num_trainers)]  # shares[rank][minibatch] = micro-batches
-        for mini in minis:
-            weights = loss_weights([len(resp) for _, resp, _ in mini])
-            seqs = [make_sequence(p, r, loss_weights=w, **extra) for (p, r, extra), w in zip(mini, weights)]
-            micros = split_for_ranks(seqs, dp_size, args.max_tokens_per_micro_batch)
-            for rank in range(args.num_trainers):  # the SP ranks of a group get the same share
-                shares[rank].append(micros[rank // args.sp_size])
-        results = call(trainers, "train_step", step, per_rank=shares)
+            token_values = {"advantages": [advantages[i].item()] * lengths[i], "engine_logprobs": s["logprobs"]}
+            sequences.append((batch[i // G].ids, s["token_ids"], token_values))
+        results = call(trainers, "train_step", step, per_rank=plan_minibatches(sequences, step, args))
         t_train = time.time()
 
         if args.colocate:
@@ -622,7 +661,8 @@ def main(args: Args):
         t_sync = time.time()
 
         # ---- log ----
-        r = results[0] | {k: sum(x[k] for x in results) for k in results[0] if k.endswith(("sum", "tokens", "loss"))}
+        summed = ("loss", "tokens", "clipped_tokens", "tis_sum", "logprob_diff_sum")  # each rank's share
+        total = {k: sum(x.get(k, 0.0) for x in results) for k in summed}  # grad norm and lr: the same on every rank
         grouped = rewards.view(-1, G)
         num_updates = args.num_minibatches * args.num_epochs
         train_tokens = sum(len(p) + len(resp) for p, resp, _ in sequences)
@@ -633,32 +673,22 @@ def main(args: Args):
             "rollout/solved_none": (grouped.max(dim=1).values == 0).float().mean().item(),
             "rollout/response_length": sum(lengths) / len(lengths),
             "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses) / len(responses),
-            "train/loss": r["loss"] / num_updates,
-            "train/clipfrac": r["clipped_tokens"] / r["tokens"],
-            "train/tis_weight": r["tis_sum"] / r["tokens"],
-            "train/grad_norm": r["grad_norms"] / num_updates,
-            "train/lr": r["lr"],
-            "train/logprob_diff_mean": r["logprob_diff_sum"] / (r["tokens"] / args.num_epochs),
-            "train/logprob_diff_max": max(x["logprob_diff_max"] for x in results),
+            "train/loss": total["loss"] / num_updates,
+            "train/clipfrac": total["clipped_tokens"] / total["tokens"],
+            "train/tis_weight": total["tis_sum"] / total["tokens"],
+            "train/grad_norm": results[0]["grad_norms"] / num_updates,
+            "train/lr": results[0]["lr"],
+            "train/logprob_diff_mean": total["logprob_diff_sum"] / (total["tokens"] / args.num_epochs),
+            "train/logprob_diff_max": max(x.get("logprob_diff_max", 0.0) for x in results),
             "time/generate": t_gen - t0,
             "time/train": t_train - t_gen,
             "time/sync": t_sync - t_train,
             "time/step": t_sync - t0,
             "perf/generate_tokens_per_s": sum(lengths) / (t_gen - t0),
             "perf/train_tokens_per_s": train_tokens * args.num_epochs / (t_train - t_gen),
-            "rollout/sampling_rounds": rounds,  # DAPO (dynamic-sampling): rounds used, groups trained; no train/kl
-            "rollout/kept_groups": int(kept.view(-1, G).any(dim=1).sum()),
+            **sampling_metrics,  # DAPO (dynamic-sampling); no train/kl
         }
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.num_steps:
-            metrics.update(evaluate(done))
-        run.log(done, metrics, console)
-        run.log_samples(done, [
-            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer, "reward": rewards[i].item()}
-            for i in range(min(len(texts), 2 * G))
-        ])  # fmt: skip
-        if args.save_every and done % args.save_every == 0 and done < args.num_steps:
-            call(trainers, "save", run.checkpoint_dir(done), done, True)
+        end_step(step + 1, metrics, batch, texts, rewards)
 
     # ---- teardown: final model in HF format ----
     call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)

@@ -28,29 +28,30 @@ from dataclasses import dataclass
 
 import ray
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import (
     InputError,
-    as_messages,
+    check_pairs,
     encode_example,
     encode_prompt,
     load_rows,
     split_for_ranks,
     validate_rows,
 )
-from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
+from common.model import (
+    BUILTIN_MODEL,
+    attn_implementation,
+    empty_model,
+    load_optimizer,
+    load_weights,
+    resolve_model,
+    save_checkpoint,
+)
 from common.placement import (
     Layout,
     call,
@@ -61,7 +62,7 @@ from common.placement import (
     spawn_trainers,
 )
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, check_resume, save_hf_folder
+from common.tracking import Run, check_resume
 
 
 @dataclass
@@ -207,18 +208,13 @@ def compute_dpo_loss(chosen_logratios, rejected_logratios, beta: float, label_sm
     return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
 
 
-def check_pairs(rows: list[dict], source: str) -> None:
-    """Each pair needs two different, non-empty responses: an empty or tied pair teaches nothing (or noise)."""
-
-    def text(value):
-        return "".join(str(m["content"]) for m in as_messages(value, "assistant")).strip()
-
-    for i, row in enumerate(rows, 1):
-        for col in ("chosen", "rejected"):
-            if not text(row[col]):
-                raise InputError(f"{source}: row {i} column {col!r} is empty")
-        if text(row["chosen"]) == text(row["rejected"]):
-            raise InputError(f"{source}: row {i} has identical 'chosen' and 'rejected' responses")
+def compute_loss(logprobs, ref_logprobs, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO's loss on one micro-batch of pairs. logprobs, ref_logprobs: (P, 2) summed response log-probabilities
+    of (chosen, rejected) under π_θ and π_ref. Returns the per-pair losses (P,) and the implicit rewards β Δ
+    (P, 2); train_step sums the losses and divides by the pairs of the whole global batch."""
+    logratios = logprobs - ref_logprobs  # (P, 2) Δ
+    losses = compute_dpo_loss(logratios[:, 0], logratios[:, 1], args.beta, args.label_smoothing, args.ipo)
+    return losses, args.beta * logratios.detach()
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -283,10 +279,7 @@ class Trainer:
         mb = shard_micro_batch(mb, self.sp.rank, self.sp.size)  # this rank's part of every row (SP)
         with torch.no_grad():
             ref_logprobs = sequence_logprobs(self.ref, mb, self.sp.group)  # (P, 2)
-        logratios = sequence_logprobs(self.model, mb, self.sp.group) - ref_logprobs  # (P, 2) Δ
-        a = self.args
-        losses = compute_dpo_loss(logratios[:, 0], logratios[:, 1], a.beta, a.label_smoothing, a.ipo)
-        return losses, a.beta * logratios.detach()
+        return compute_loss(sequence_logprobs(self.model, mb, self.sp.group), ref_logprobs, self.args)
 
     def train_step(self, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
         """One optimizer step over this rank's micro-batches. Returns sums; the driver divides by counts."""
@@ -298,7 +291,7 @@ class Trainer:
             # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             losses, rewards = self.pair_losses(mb)
-            loss = losses.sum() * mb["loss_scale"]
+            loss = losses.sum() * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch (split_for_ranks)
             # Mean over the pairs of the whole global batch; FSDP averages over ranks, so undo its 1/world.
             (loss * self.world_size / num_pairs).backward()  # SP: each rank gets the gradient of its own tokens
             add_pair_stats(stats, losses.detach(), rewards, mb["loss_scale"].item())
@@ -328,29 +321,17 @@ class Trainer:
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left-pad
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=pad, synced_gpus=self.world_size > 1,
-        )  # fmt: skip
+        greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, synced_gpus=self.world_size > 1)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **greedy)
         enable_ring_attention(self.model, self.sp.group)
         stop = {self.tokenizer.eos_token_id, pad}
         return [[t for t in row[width:].tolist() if t not in stop] for row in out]
 
     def save(self, path: str, step: int, with_optimizer: bool):
-        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
-        if self.rank == 0:
-            save_hf_folder(
-                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
-            )
-        dist.barrier()
+        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
 
     def load_optimizer(self, path: str):
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+        load_optimizer(self.model, self.optimizer, path)
 
 
 def add_pair_stats(stats: dict, losses: torch.Tensor, rewards: torch.Tensor, scale: float) -> None:
@@ -373,13 +354,17 @@ def validate_args(args: Args) -> None:
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    check_ranges(args, {
-        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1",
-        "max_length": ">= 1", "max_new_tokens": ">= 1", "num_trainers": ">= 1", "sp_size": ">= 1", "beta": "> 0",
-        "label_smoothing": ">= 0, < 0.5", "num_steps": ">= 1", "batch_size": ">= 1",
-        "max_tokens_per_micro_batch": ">= 1", "learning_rate": "> 0", "warmup_steps": ">= 0",
-        "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0", "max_grad_norm": "> 0",
-    })  # fmt: skip
+    check_ranges(
+        args,
+        {
+            ">= 0": "seed save_every warmup_steps weight_decay",
+            ">= 1": "eval_every max_length max_new_tokens num_trainers sp_size num_steps batch_size "
+            "max_tokens_per_micro_batch",
+            "> 0": "beta learning_rate max_grad_norm",
+            ">= 0, < 0.5": "label_smoothing",
+            ">= 0, <= 1": "min_lr_ratio",
+        },
+    )
     if args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
@@ -422,9 +407,8 @@ def main(args: Args):
     pairs = {}
     for split, (rows, source) in datasets.items():
         encoded = [
-            (encode_example(tokenizer, r["prompt"], r["chosen"]), encode_example(tokenizer, r["prompt"], r["rejected"]))
-            for r in rows
-        ]  # fmt: skip
+            tuple(encode_example(tokenizer, r["prompt"], r[side]) for side in ("chosen", "rejected")) for r in rows
+        ]
         too_long = [i + 1 for i, (c, r) in enumerate(encoded) if max(len(c[0]), len(r[0])) > args.max_length]
         if too_long and not args.drop_long:
             raise InputError(
@@ -468,10 +452,11 @@ def main(args: Args):
                 responses[r::n] = [tokenizer.decode(o) for o in out]
             rewards = [reward_fn(resp, str(row["answer"])) for resp, row in zip(responses, accuracy_rows)]
             metrics["eval/greedy_accuracy"] = sum(rewards) / len(rewards)
-            run.log_samples(step, [
-                {"prompt": row["prompt"], "response": resp, "answer": row["answer"], "reward": rew}
-                for row, resp, rew in zip(accuracy_rows, responses, rewards)
-            ])  # fmt: skip
+            samples = zip(accuracy_rows, responses, rewards)
+            run.log_samples(
+                step,
+                [{"prompt": r["prompt"], "response": t, "answer": r["answer"], "reward": x} for r, t, x in samples],
+            )
         return metrics
 
     # ---- training loop ----

@@ -31,15 +31,8 @@ from typing import NamedTuple
 
 import ray
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -60,8 +53,16 @@ from common.data import (
     split_for_ranks,
     validate_rows,
 )
-from common.engines import sample_seeds, spawn_engines
-from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
+from common.engines import generate, spawn_engines
+from common.model import (
+    BUILTIN_MODEL,
+    attn_implementation,
+    empty_model,
+    load_optimizer,
+    load_weights,
+    resolve_model,
+    save_checkpoint,
+)
 from common.placement import (
     Layout,
     call,
@@ -75,7 +76,7 @@ from common.placement import (
     wait_started,
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, check_resume, save_hf_folder
+from common.tracking import Run, check_resume
 from common.weight_sync import choose_backend, init_weight_sync
 
 
@@ -266,13 +267,13 @@ def compute_values(model, input_ids, position_ids, mask) -> torch.Tensor:
     The classifier's own output keeps one score per row; a hook catches the head's score at every position.
     Position t holds the state before the response token it predicts, the same positions as compute_logprobs.
     """
-    scores = []
-    hook = model.score.register_forward_hook(lambda module, inputs, out: scores.append(out))
+    head_out = []
+    hook = model.score.register_forward_hook(lambda module, inputs, out: head_out.append(out))
     try:
         model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     finally:
         hook.remove()
-    return scores[0][0, :, 0].float()[mask[0].bool()]  # (N,)
+    return head_out[0][0, :, 0].float()[mask[0].bool()]  # (N,)
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float):
@@ -343,6 +344,23 @@ def compute_value_loss(values, old_values, returns, value_clip_eps: float):
     return 0.5 * torch.max(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
 
 
+def compute_loss(logprobs, old_logprobs, advantages, weights, args: Args) -> tuple[torch.Tensor, dict]:
+    """The policy's loss on one micro-batch's response tokens (all inputs (N,)), and its per-token stats to sum:
+        L = Σ_t w_t · clipped surrogate_t      (w_t: the token mean over the minibatch; no TIS, see docs/ppo.md)
+    approx_kl: the k3 estimate of KL(π_θold‖π_θ); expm1 keeps it accurate for the tiny ratios of a first update.
+    """
+    pg_loss, clipped = compute_policy_loss(logprobs, old_logprobs, advantages, args.clip_eps)
+    log_ratio = (logprobs - old_logprobs).detach()
+    stats = {"clipped_tokens": clipped.sum(), "approx_kl_sum": (torch.expm1(log_ratio) - log_ratio).sum()}
+    return (pg_loss * weights).sum(), stats
+
+
+def compute_critic_loss(values, old_values, returns, weights, args: Args) -> tuple[torch.Tensor, dict]:
+    """The critic's loss on one micro-batch's response tokens (all inputs (N,)): Σ_t w_t · clipped value loss_t."""
+    v_loss, clipped = compute_value_loss(values, old_values, returns, args.value_clip_eps)
+    return (v_loss * weights).sum(), {"value_clipped_tokens": clipped.sum()}
+
+
 def update_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, num_responses: int) -> float:
     """Ziegler et al. 2019 §2.2 adaptive β: e_t = clip(KL / KL_target - 1, -0.2, 0.2); β ← β (1 + e_t n / H).
 
@@ -393,8 +411,8 @@ def reward_model_input(tokenizer, prompt, response: str) -> list[int]:
 def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
     """One training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
 
-    Per-token values (advantage, old logprob, return, loss weight) sit at the positions that predict response
-    tokens, so they line up with what compute_logprobs and compute_values return for the masked positions.
+    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that predict response
+    tokens, so they line up with what compute_logprobs (and ppo.py's compute_values) return for the masked positions.
     """
     ids = prompt + response
     pad = [0.0] * (len(prompt) - 1)
@@ -424,20 +442,10 @@ class ShardedModel:
         return shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
 
     def save(self, path: str, step: int, with_optimizer: bool):
-        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
-        if self.rank == 0:
-            save_hf_folder(
-                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
-            )
-        dist.barrier()
+        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
 
     def load_optimizer(self, path: str):
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+        load_optimizer(self.model, self.optimizer, path)
 
 
 # TRY NOT TO MODIFY: the policy trainer actor (one per rank), holding the frozen reference too.
@@ -468,18 +476,18 @@ class Trainer(ShardedModel):
         self.weight_sync.push()
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[dict]) -> list[dict]:
+    def forward(self, minibatches: list[list[dict]]) -> list[dict]:
         """π_θold and π_ref logprobs of the response tokens this rank holds, with (sequence, index)."""
         self.model.eval()
         out = []
-        for mb in micro_batches:  # filler micro-batches (loss_scale 0) still run: FSDP's collectives need them
+        for mb in [mb for mini in minibatches for mb in mini]:  # fillers (loss_scale 0) run too: FSDP's collectives
             mb = self.local_part(mb)
             inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], self.args.temperature)
             logprobs, ref_logprobs = compute_logprobs(self.model, *inputs), compute_logprobs(self.ref, *inputs)
             if mb["loss_scale"].item():
                 m = mb["loss_mask"][0].bool()
-                out.append({"seq_id": mb["seq_id"][0, m].cpu(), "tok": mb["tok"][0, m].cpu(),
-                            "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()})  # fmt: skip
+                where = {"seq_id": mb["seq_id"][0, m].cpu(), "tok": mb["tok"][0, m].cpu()}
+                out.append({**where, "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()})
         return out
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
@@ -497,19 +505,17 @@ class Trainer(ShardedModel):
                     logprobs = compute_logprobs(
                         self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature
                     )  # (N,)
-                    old_logprobs = mb["old_logprobs"][0, m]
-                    pg_loss, clipped = compute_policy_loss(
-                        logprobs, old_logprobs, mb["advantages"][0, m], args.clip_eps
+                    loss, token_stats = compute_loss(
+                        logprobs, mb["old_logprobs"][0, m], mb["advantages"][0, m], mb["loss_weights"][0, m], args
                     )
-                    loss = (pg_loss * mb["loss_weights"][0, m]).sum() * mb["loss_scale"]
-                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
+                    # loss_scale: 1, or 0 for a filler micro-batch that only keeps the ranks' collectives in step
                     real = mb["loss_scale"].item()
-                    log_ratio = (logprobs - old_logprobs).detach()
+                    loss = loss * mb["loss_scale"]
+                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
                     stats["policy_loss"] += loss.item()
                     stats["tokens"] += m.sum().item() * real
-                    stats["clipped_tokens"] += clipped.sum().item() * real
-                    # k3 estimate of KL(π_θold‖π_θ); expm1 keeps it accurate for the tiny ratios of a first update
-                    stats["approx_kl_sum"] += (torch.expm1(log_ratio) - log_ratio).sum().item() * real
+                    for key, value in token_stats.items():
+                        stats[key] += value.item() * real
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
@@ -542,11 +548,11 @@ class Critic(ShardedModel):
         )
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[dict]) -> list[dict]:
+    def forward(self, minibatches: list[list[dict]]) -> list[dict]:
         """V_old of every response token this rank holds, with its (sequence, index), for GAE in the driver."""
         self.model.eval()
         out = []
-        for mb in micro_batches:
+        for mb in [mb for mini in minibatches for mb in mini]:
             mb = self.local_part(mb)
             values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
             if mb["loss_scale"].item():
@@ -567,13 +573,14 @@ class Critic(ShardedModel):
                     self.model.set_requires_gradient_sync(i == len(mini) - 1)
                     m = mb["loss_mask"][0].bool()
                     values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
-                    v_loss, clipped = compute_value_loss(
-                        values, mb["old_values"][0, m], mb["returns"][0, m], args.value_clip_eps
+                    loss, token_stats = compute_critic_loss(
+                        values, mb["old_values"][0, m], mb["returns"][0, m], mb["loss_weights"][0, m], args
                     )
-                    loss = (v_loss * mb["loss_weights"][0, m]).sum() * mb["loss_scale"]
+                    loss = loss * mb["loss_scale"]  # 0 for a filler micro-batch
                     (loss * self.world_size).backward()
                     stats["value_loss"] += loss.item()
-                    stats["value_clipped_tokens"] += clipped.sum().item() * mb["loss_scale"].item()
+                    for key, value in token_stats.items():
+                        stats[key] += value.item() * mb["loss_scale"].item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
@@ -597,7 +604,7 @@ class RewardModel:
         self.model = self.model.to(self.device).eval()
 
     @torch.no_grad()
-    def score(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:
+    def rewards(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:
         """r(x, y) for each prompt + response token list: right-padded batches, the head at the last real token."""
         out = []
         for i in range(0, len(sequences), batch_size):
@@ -607,28 +614,8 @@ class RewardModel:
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.device)
             hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (b, T, H)
             last = hidden[torch.arange(len(chunk), device=self.device), mask.sum(dim=1) - 1]  # (b, H)
-            out += self.model.score(last)[:, 0].float().tolist()
+            out += self.model.score(last)[:, 0].float().tolist()  # `score`: the classification head's name in HF
         return out
-
-
-def generate(engines: list, prompts: list[list[int]], n: int, temperature: float, args: Args, draw=None) -> list:
-    """Split the prompts over the engines, sample n responses each; results in prompt order.
-
-    `draw` (the step, or a step's round) seeds each prompt's samples by its place in the draw, so that a resumed
-    run samples the tokens the uninterrupted run sampled (sample_seeds).
-    """
-    k = len(engines)
-    seeds = sample_seeds(args.seed, draw, len(prompts)) if draw is not None else None
-    shards = [prompts[i::k] for i in range(k)]
-    refs = [
-        e.generate.remote(shard, n, temperature, args.top_p, args.max_response_length, seeds and seeds[i::k])
-        for i, (e, shard) in enumerate(zip(engines, shards))
-    ]
-    outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
-    results = [None] * len(prompts)
-    for i, out in enumerate(outs):
-        results[i::k] = out
-    return results
 
 
 def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args, parallel: bool) -> tuple:
@@ -648,7 +635,7 @@ def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args
     return out[: len(trainers)], out[len(trainers) :]
 
 
-def score_responses(score, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
+def score_responses(reward_function, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
     """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards), prompt-major.
 
     A reward function that raises, hangs or returns a non-number stops the run, naming the prompt row and sample.
@@ -657,7 +644,7 @@ def score_responses(score, batch: list, outs: list[list[dict]], tokenizer, where
     texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in outs for s in group]
     pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
     labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
-    return texts, torch.tensor(call_reward(score, pairs, where, args.reward_timeout, labels))
+    return texts, torch.tensor(call_reward(reward_function, pairs, where, args.reward_timeout, labels))
 
 
 def validate_args(args: Args) -> None:
@@ -665,17 +652,20 @@ def validate_args(args: Args) -> None:
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    check_ranges(args, {
-        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1", "reward_timeout": "> 0",
-        "max_prompt_length": ">= 1", "max_response_length": ">= 1", "num_trainers": ">= 1", "num_critics": ">= 1",
-        "sp_size": ">= 1", "num_engines": ">= 1", "engine_tp": ">= 1", "engine_memory": "> 0",
-        "samples_per_prompt": ">= 1", "temperature": "> 0", "top_p": "> 0, <= 1", "clip_eps": "> 0, < 1",
-        "value_clip_eps": "> 0", "gamma": ">= 0, <= 1", "lam": ">= 0, <= 1", "kl_coef": ">= 0", "kl_target": "> 0",
-        "kl_horizon": ">= 1", "num_minibatches": ">= 1", "num_epochs": ">= 1", "num_steps": ">= 1",
-        "prompts_per_step": ">= 1", "max_tokens_per_micro_batch": ">= 1", "learning_rate": "> 0",
-        "critic_learning_rate": "> 0", "warmup_steps": ">= 0", "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0",
-        "max_grad_norm": "> 0",
-    })  # fmt: skip
+    check_ranges(
+        args,
+        {
+            ">= 0": "seed save_every kl_coef warmup_steps weight_decay",
+            ">= 1": "eval_every max_prompt_length max_response_length num_trainers num_critics sp_size num_engines "
+            "engine_tp samples_per_prompt kl_horizon num_minibatches num_epochs num_steps prompts_per_step "
+            "max_tokens_per_micro_batch",
+            "> 0": "reward_timeout engine_memory temperature value_clip_eps kl_target learning_rate "
+            "critic_learning_rate max_grad_norm",
+            "> 0, <= 1": "top_p",
+            "> 0, < 1": "clip_eps",
+            ">= 0, <= 1": "gamma lam min_lr_ratio",
+        },
+    )
     if args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
         raise InputError(f"--num-trainers and --num-critics must be multiples of --sp-size {args.sp_size}")
     dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
@@ -694,85 +684,81 @@ def validate_args(args: Args) -> None:
         raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
 
 
-def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
-    validate_args(args)
-    n = args.samples_per_prompt
-    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
-    resume_step, run_dir = 0, None
-    if args.resume:  # same script and model, whole checkpoints of the policy and the critic
-        run_dir, resume_ckpt, resume_step = check_resume(args.resume, args, os.path.basename(__file__))
-        check_checkpoint(os.path.join(resume_ckpt, "critic"))
+def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
+    """The checks that need the file system or the machine (validate_args needs neither): the output dir or the
+    run to resume (same script and model, whole checkpoints of the policy and the critic), the wandb login,
+    enough GPUs. Returns whether to use GPUs, and (run dir, checkpoint, step) of the run to resume or None."""
+    resume = check_resume(args.resume, args, script) if args.resume else None
+    if resume:
+        check_checkpoint(os.path.join(resume[1], "critic"))
     else:
         check_output_dir(args.output_dir)
     check_tracking(args.track)
-    use_reward_model = args.reward_model is not None
-    gpus = args.num_trainers + args.num_critics + int(use_reward_model)
-    gpus += 0 if args.colocate else args.num_engines * args.engine_tp
-    use_gpu = check_devices(gpus)
+    gpus = args.num_trainers + args.num_critics + int(args.reward_model is not None)
+    use_gpu = check_devices(gpus + (0 if args.colocate else args.num_engines * args.engine_tp))
     if args.colocate and not use_gpu:
         raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
     if use_gpu and (args.engine_memory or 0) > 1:
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
-    score = load_function(args.reward_fn) if args.reward_fn else reward_fn
+    return use_gpu, resume
+
+
+def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
+    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style rows
+    (`question` + `answer`) become a user message. With a reward model the train prompts need no answer."""
     datasets = {"train": load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
         datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
     for split, (rows, source) in datasets.items():
-        if rows and "prompt" not in rows[0] and "question" in rows[0]:  # GSM8K style: question + answer
+        if rows and "prompt" not in rows[0] and "question" in rows[0]:
             rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
-        needs_answer = split == "eval" or not use_reward_model  # a reward model needs prompts only
+        needs_answer = split == "eval" or args.reward_model is None
         validate_rows(rows, ["prompt", "answer"] if needs_answer else ["prompt"], source, numeric=("answer",))
         datasets[split] = (rows, source)
-    if use_reward_model:
-        reward_model_path = resolve_model(args.reward_model)
-        check_weights(reward_model_path, "--reward-model")
-        if AutoConfig.from_pretrained(reward_model_path).num_labels != 1:
-            raise InputError(f"--reward-model {args.reward_model}: expected one label (an rm.py output)")
-    else:  # a broken reward function should fail now, not after a rollout
-        answer = str(datasets["train"][0][0]["answer"])
-        call_reward(score, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
-    model_path = resolve_model(args.model)
-    check_weights(model_path, "model")
-    critic_path = resolve_model(args.critic_model) if args.critic_model else model_path
-    check_weights(critic_path, "--critic-model")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = {}
-    for split, (rows, source) in datasets.items():
-        ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-        too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
-        if too_long and not args.drop_long:
-            raise InputError(
-                f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
-                f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
-            )
-        prompts[split] = [
-            Prompt(p, str(r.get("answer")), r["prompt"], row)
-            for row, (p, r) in enumerate(zip(ids, rows), 1)
-            if len(p) <= args.max_prompt_length
-        ]
-        if not prompts[split]:
-            raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
+    return datasets
 
-    # ---- start Ray; place policy trainers, critics, engines and the reward model; connect weight sync ----
+
+def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
+    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run, naming the
+    first, or with --drop-long are left out."""
+    ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
+    if too_long and not args.drop_long:
+        raise InputError(
+            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
+            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
+        )
+    prompts = [
+        Prompt(p, str(r.get("answer")), r["prompt"], row)
+        for row, (p, r) in enumerate(zip(ids, rows), 1)
+        if len(p) <= args.max_prompt_length
+    ]
+    if not prompts:
+        raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
+    return prompts
+
+
+def start_actors(args: Args, use_gpu: bool, paths: dict) -> tuple:
+    """Start Ray; place and start the policy trainers, the critics, the reward model (if any) and the engines
+    (common/placement.py's Layout); connect trainers and engines for the weight sync. `paths`: where each
+    loads from (on --resume the checkpoint, except π_ref: always the start model)."""
+    use_reward_model = args.reward_model is not None
     layout = Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate, args.num_critics, use_reward_model
     )
     init_ray(len(layout.bundles))
     pg = make_placement_group(layout.bundles, use_gpu)
-    start_from = resume_ckpt if args.resume else model_path
-    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from, model_path)
-    critic_from = os.path.join(resume_ckpt, "critic") if args.resume else critic_path
-    critics = spawn_trainers(Critic, pg, layout.critics, args, critic_from)
+    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, paths["policy"], paths["reference"])
+    critics = spawn_trainers(Critic, pg, layout.critics, args, paths["critic"])
     reward_model = None
     if use_reward_model:
-        reward_model = RewardModel.options(**layout.reward_model.options(pg)).remote(reward_model_path)
+        reward_model = RewardModel.options(**layout.reward_model.options(pg)).remote(paths["reward_model"])
         wait_started([reward_model])
     backend = choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
         pg,
         layout.engines,
-        model_path=start_from,
+        model_path=paths["policy"],
         seed=args.seed,
         backend=backend,
         tp=args.engine_tp,
@@ -783,22 +769,93 @@ def main(args: Args):
     )
     addr, port = rendezvous_address(pg, 0)  # on trainer rank 0's node: it is the sender
     call(trainers, "init_weight_sync", engines, backend, addr, port)
+    return trainers, critics, reward_model, engines
+
+
+def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args: Args) -> tuple:
+    """The step's sequences, built and packed once: the forward passes (π_θold, π_ref, V_old) and the training
+    passes run on the same micro-batches. Responses in a seeded shuffle are dealt into --num-minibatches
+    minibatches, each token weighted 1 / (tokens of its minibatch), packed for each group's data-parallel ranks.
+    Returns shares[group][rank][minibatch] = micro-batches (group 0: the policy, 1: the critic); every response
+    token carries its sequence and its place in the response (seq_id, tok) for fill_token_values."""
+    n, lengths = args.samples_per_prompt, [len(s["token_ids"]) for s in responses]
+    order = torch.randperm(len(responses), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
+    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)
+    shares = ([[] for _ in range(dp_sizes[0])], [[] for _ in range(dp_sizes[1])])
+    for mini in [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]:
+        weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any number of ranks
+        seqs = []
+        for i in mini:
+            tokens = {"seq_id": [i] * lengths[i], "tok": range(lengths[i]), "loss_weights": [weight] * lengths[i]}
+            seqs.append(make_sequence(batch[i // n].ids, responses[i]["token_ids"], **tokens))
+        for dp, share in zip(dp_sizes, shares):
+            for rank, micro in enumerate(split_for_ranks(seqs, dp, args.max_tokens_per_micro_batch)):
+                share[rank].append(micro)
+    return tuple(shares_per_rank(share, args.sp_size) for share in shares)
+
+
+def fill_token_values(shares: tuple, **values: torch.Tensor) -> None:
+    """Write per-token values (B, T) into every micro-batch at its response tokens, found by (seq_id, tok)."""
+    for mb in {id(mb): mb for group in shares for rank in group for mini in rank for mb in mini}.values():
+        m = mb["loss_mask"][0].bool()
+        seq_id, tok = mb["seq_id"][0, m].long(), mb["tok"][0, m].long()
+        for key, v in values.items():
+            mb[key] = torch.zeros_like(mb["loss_weights"])
+            mb[key][0, m] = v[seq_id, tok]
+
+
+def main(args: Args):
+    # ---- validate everything cheap before anything expensive starts ----
+    validate_args(args)
+    n = args.samples_per_prompt
+    use_gpu, resume = check_machine(args, os.path.basename(__file__))
+    run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
+    reward_function = load_function(args.reward_fn) if args.reward_fn else reward_fn
+    datasets = read_prompt_rows(args)
+    if args.reward_model is not None:
+        reward_model_path = resolve_model(args.reward_model)
+        check_weights(reward_model_path, "--reward-model")
+        if AutoConfig.from_pretrained(reward_model_path).num_labels != 1:
+            raise InputError(f"--reward-model {args.reward_model}: expected one label (an rm.py output)")
+    else:  # a broken reward function should fail now, not after a rollout
+        answer = str(datasets["train"][0][0]["answer"])
+        call_reward(reward_function, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
+    model_path = resolve_model(args.model)
+    check_weights(model_path, "model")
+    critic_path = resolve_model(args.critic_model) if args.critic_model else model_path
+    check_weights(critic_path, "--critic-model")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = {split: encode_prompts(rows, source, tokenizer, args) for split, (rows, source) in datasets.items()}
+
+    # ---- start Ray; place policy trainers, critics, engines and the reward model; connect weight sync ----
+    paths = {"policy": resume_ckpt or model_path, "reference": model_path}
+    paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
+    paths["reward_model"] = reward_model_path if args.reward_model else None
+    trainers, critics, reward_model, engines = start_actors(args, use_gpu, paths)
     kl_coef = args.kl_coef
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
-        call(critics, "load_optimizer", os.path.join(resume_ckpt, "critic"))
+        call(critics, "load_optimizer", paths["critic"])
         with open(os.path.join(resume_ckpt, "ppo_state.json")) as f:
             kl_coef = json.load(f)["kl_coef"]
     run = Run(args, run_dir, resume_step)
-    reward_source = f"reward model {args.reward_model}" if use_reward_model else "rule verifier"
+    reward_source = f"reward model {args.reward_model}" if reward_model else "rule verifier"
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  reward: {reward_source}")
+    sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
 
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        outs = generate(engines, [p.ids for p in prompts["eval"]], 1, 0.0, args)  # greedy
-        _, rewards = score_responses(score, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
+        outs = generate(engines, [p.ids for p in prompts["eval"]], n=1, temperature=0.0, **sampling)  # greedy
+        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
         return {"eval/accuracy": rewards.mean().item()}
+
+    def save(done: int | str, with_optimizer: bool):
+        call(trainers, "save", run.checkpoint_dir(done), done, with_optimizer)
+        if with_optimizer:  # resumable: the critic and the adaptive β too
+            call(critics, "save", os.path.join(run.checkpoint_dir(done), "critic"), done, True)
+            with open(os.path.join(run.checkpoint_dir(done), "ppo_state.json"), "w") as f:
+                json.dump({"kl_coef": kl_coef}, f)
 
     # ---- training loop: generate -> score -> old logprobs, values -> rewards, GAE -> train both -> sync ----
     console = ("rollout/reward", "train/policy_loss", "train/value_loss", "train/kl", "eval/accuracy", "time/step")
@@ -810,30 +867,24 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.prompts_per_step, args.seed)]
-        outs = generate(engines, [p.ids for p in batch], n, args.temperature, args, draw=step)
+        outs = generate(engines, [p.ids for p in batch], n=n, temperature=args.temperature, draw=step, **sampling)
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
         t_gen = time.time()
 
-        # ALGO LOGIC: one scalar score per response, from the verifier or the reward model
+        # ALGO LOGIC: one scalar score r(x, y) per response, from the verifier or the reward model
         responses = [s for group in outs for s in group]  # (B,) prompt-major, B = prompts x samples_per_prompt
         texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in responses]
-        if use_reward_model:
+        if reward_model:
             full = [reward_model_input(tokenizer, batch[i // n].text, text) for i, text in enumerate(texts)]
-            scores = torch.tensor(wait_all([reward_model.score.remote(full)], ["RewardModel#0"], "score")[0])
+            scores = torch.tensor(wait_all([reward_model.rewards.remote(full)], ["RewardModel#0"], "rewards")[0])
         else:
-            _, scores = score_responses(score, batch, outs, tokenizer, f"step {step + 1}", args)  # (B,)
+            _, scores = score_responses(reward_function, batch, outs, tokenizer, f"step {step + 1}", args)  # (B,)
         t_score = time.time()
 
         # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then rewards, GAE, whitening
         lengths = [len(s["token_ids"]) for s in responses]
-        seqs = [
-            make_sequence(batch[i // n].ids, s["token_ids"], seq_id=[i] * lengths[i], tok=range(lengths[i]))
-            for i, s in enumerate(responses)
-        ]
-        shares = tuple(
-            shares_per_rank(split_for_ranks(seqs, k, args.max_tokens_per_micro_batch), args.sp_size) for k in dp_sizes
-        )
+        shares = plan_minibatches(batch, responses, step, args)  # the same micro-batches for forward and training
         policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=use_gpu)
         logprobs, ref_logprobs = (
             to_padded(policy_out, "logprobs", lengths),
@@ -841,40 +892,12 @@ def main(args: Args):
         )
         values = to_padded(critic_out, "values", lengths)  # (B, T)
         response_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).float()  # (B, T)
-        engine_logprobs = torch.zeros_like(logprobs)
-        for i, s in enumerate(responses):
-            engine_logprobs[i, : lengths[i]] = torch.tensor(s["logprobs"])
         rewards, kl = compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
         advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, response_mask)
+        fill_token_values(shares, advantages=advantages, returns=returns, old_logprobs=logprobs, old_values=values)
         t_fwd = time.time()
 
-        order = torch.randperm(len(responses), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
-        minis = [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]
-        shares = ([[] for _ in range(dp_sizes[0])], [[] for _ in range(dp_sizes[1])])
-        for mini in minis:
-            weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any number of ranks
-            train_seqs = [
-                make_sequence(
-                    batch[i // n].ids,
-                    responses[i]["token_ids"],
-                    loss_weights=[weight] * lengths[i],
-                    **{
-                        k: v[i, : lengths[i]].tolist()
-                        for k, v in (
-                            ("advantages", advantages),
-                            ("returns", returns),
-                            ("old_logprobs", logprobs),
-                            ("old_values", values),
-                        )
-                    },
-                )  # fmt: skip
-                for i in mini
-            ]
-            for dp, share in zip(dp_sizes, shares):
-                for rank, micro in enumerate(split_for_ranks(train_seqs, dp, args.max_tokens_per_micro_batch)):
-                    share[rank].append(micro)
-        shares = tuple(shares_per_rank(share, args.sp_size) for share in shares)
         policy_results, critic_results = call_groups(trainers, critics, "train_step", shares, step, parallel=use_gpu)
         t_train = time.time()
 
@@ -887,15 +910,17 @@ def main(args: Args):
 
         # ALGO LOGIC: adapt β toward the target KL per response (Ziegler et al. 2019)
         kl_per_response = kl.sum(dim=1).mean().item()
-        metrics = {"train/kl_coef": kl_coef}
+        metrics = {"train/kl_coef": kl_coef, "train/kl": kl_per_response}
         if args.kl_target is not None:
             kl_coef = update_kl_coef(kl_coef, kl_per_response, args.kl_target, args.kl_horizon, len(responses))
 
         # ---- log ----
-        r = {
-            k: sum(x[k] for x in policy_results + critic_results if k in x)
-            for k in policy_results[0] | critic_results[0]
-        }
+        engine_logprobs = torch.zeros_like(logprobs)  # what vLLM sampled with, against π_θold on the same weights
+        for i, s in enumerate(responses):
+            engine_logprobs[i, : lengths[i]] = torch.tensor(s["logprobs"])
+        summed = ("policy_loss", "tokens", "clipped_tokens", "approx_kl_sum")  # each policy rank's share
+        total = {k: sum(x.get(k, 0.0) for x in policy_results) for k in summed}
+        total |= {k: sum(x.get(k, 0.0) for x in critic_results) for k in ("value_loss", "value_clipped_tokens")}
         num_updates = args.num_minibatches * args.num_epochs
         num_tokens = response_mask.sum().item()
         train_tokens = sum(len(batch[i // n].ids) + lengths[i] for i in range(len(responses)))
@@ -907,12 +932,11 @@ def main(args: Args):
             "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses) / len(responses),
             "rollout/value_mean": ((values * response_mask).sum() / num_tokens).item(),
             "rollout/return_mean": ((returns * response_mask).sum() / num_tokens).item(),
-            "train/policy_loss": r["policy_loss"] / num_updates,
-            "train/value_loss": r["value_loss"] / num_updates,
-            "train/clipfrac": r["clipped_tokens"] / r["tokens"],
-            "train/value_clipfrac": r["value_clipped_tokens"] / r["tokens"],
-            "train/approx_kl": r["approx_kl_sum"] / r["tokens"],
-            "train/kl": kl_per_response,
+            "train/policy_loss": total["policy_loss"] / num_updates,
+            "train/value_loss": total["value_loss"] / num_updates,
+            "train/clipfrac": total["clipped_tokens"] / total["tokens"],
+            "train/value_clipfrac": total["value_clipped_tokens"] / total["tokens"],
+            "train/approx_kl": total["approx_kl_sum"] / total["tokens"],
             "train/explained_variance": explained_variance(values, returns, response_mask),
             "train/grad_norm": policy_results[0]["grad_norm_sum"] / num_updates,  # global norms: same on every rank
             "train/critic_grad_norm": critic_results[0]["critic_grad_norm_sum"] / num_updates,
@@ -932,18 +956,15 @@ def main(args: Args):
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
-        run.log_samples(done, [
-            {"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer, "reward": scores[i].item()}
-            for i in range(min(len(texts), 2 * n))
-        ])  # fmt: skip
+        samples = [(batch[i // n], texts[i], scores[i].item()) for i in range(min(len(texts), 2 * n))]
+        run.log_samples(
+            done, [{"prompt": p.text, "response": t, "answer": p.answer, "reward": r} for p, t, r in samples]
+        )
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
-            call(trainers, "save", run.checkpoint_dir(done), done, True)
-            call(critics, "save", os.path.join(run.checkpoint_dir(done), "critic"), done, True)
-            with open(os.path.join(run.checkpoint_dir(done), "ppo_state.json"), "w") as f:
-                json.dump({"kl_coef": kl_coef}, f)
+            save(done, with_optimizer=True)
 
     # ---- teardown: final policy in HF format ----
-    call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
+    save("final", with_optimizer=False)
     if first and "eval/accuracy" in metrics:
         run.print(
             f"greedy accuracy on the held-out prompts: {first['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f}"

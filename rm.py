@@ -25,21 +25,22 @@ from dataclasses import dataclass
 
 import ray
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
-from common.data import InputError, as_messages, encode_example, load_rows, split_for_ranks, validate_rows
-from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
+from common.data import InputError, check_pairs, encode_example, load_rows, split_for_ranks, validate_rows
+from common.model import (
+    BUILTIN_MODEL,
+    attn_implementation,
+    empty_model,
+    load_optimizer,
+    load_weights,
+    resolve_model,
+    save_checkpoint,
+)
 from common.placement import (
     Layout,
     call,
@@ -50,7 +51,7 @@ from common.placement import (
     spawn_trainers,
 )
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, check_resume, save_hf_folder
+from common.tracking import Run, check_resume
 
 
 @dataclass
@@ -176,18 +177,12 @@ def compute_rm_loss(chosen_rewards, rejected_rewards, margins) -> torch.Tensor:
     return -F.logsigmoid(chosen_rewards - rejected_rewards - margins)
 
 
-def check_pairs(rows: list[dict], source: str) -> None:
-    """Each pair needs two different, non-empty responses: an empty or tied pair teaches nothing (or noise)."""
-
-    def text(value):
-        return "".join(str(m["content"]) for m in as_messages(value, "assistant")).strip()
-
-    for i, row in enumerate(rows, 1):
-        for col in ("chosen", "rejected"):
-            if not text(row[col]):
-                raise InputError(f"{source}: row {i} column {col!r} is empty")
-        if text(row["chosen"]) == text(row["rejected"]):
-            raise InputError(f"{source}: row {i} has identical 'chosen' and 'rejected' responses")
+def compute_loss(chosen_rewards, rejected_rewards, margins) -> tuple[torch.Tensor, dict]:
+    """rm.py's loss on one micro-batch of pairs, summed over its pairs, and its stats to sum: pairs ranked right
+    and the reward gap. train_step divides the sum by the pairs of the whole global batch."""
+    loss = compute_rm_loss(chosen_rewards, rejected_rewards, margins).sum()
+    gap = (chosen_rewards - rejected_rewards).detach()
+    return loss, {"correct": (gap > 0).sum(), "margin_sum": gap.sum()}
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -219,8 +214,8 @@ def make_pair(chosen: list[int], rejected: list[int], margin: float) -> dict[str
     sequence_ends then finds the chosen end, then the rejected end.
     """
     ids = chosen + rejected
-    return {"input_ids": ids, "positions": list(range(len(chosen))) + list(range(len(rejected))),
-            "margin": [margin] * len(ids)}  # fmt: skip
+    positions = list(range(len(chosen))) + list(range(len(rejected)))
+    return {"input_ids": ids, "positions": positions, "margin": [margin] * len(ids)}
 
 
 # TRY NOT TO MODIFY: the trainer actor (one per rank).
@@ -260,13 +255,13 @@ class Trainer:
         for i, mb in enumerate(micro_batches):
             # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            chosen, rejected, margins = self.pair_rewards(mb)
-            loss = compute_rm_loss(chosen, rejected, margins).sum() * mb["loss_scale"]
+            loss, pair_stats = compute_loss(*self.pair_rewards(mb))
+            loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch (split_for_ranks), else 1
             # Mean over the pairs of the whole global batch; FSDP averages over ranks, so undo its 1/world.
             (loss * self.world_size / num_pairs).backward()
             stats["loss_sum"] += loss.item()
-            stats["correct"] += (chosen > rejected).sum().item() * mb["loss_scale"].item()
-            stats["margin_sum"] += (chosen - rejected).sum().item() * mb["loss_scale"].item()
+            for key, value in pair_stats.items():
+                stats[key] += value.item() * mb["loss_scale"].item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
@@ -281,28 +276,19 @@ class Trainer:
         stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "pairs": 0.0}
         for mb in micro_batches:
             chosen, rejected, margins = self.pair_rewards(mb)
-            real = mb["loss_scale"].item()
-            stats["loss_sum"] += compute_rm_loss(chosen, rejected, margins).sum().item() * real
-            stats["correct"] += (chosen > rejected).sum().item() * real
-            stats["margin_sum"] += (chosen - rejected).sum().item() * real
+            loss, pair_stats = compute_loss(chosen, rejected, margins)
+            real = mb["loss_scale"].item()  # 0 for a filler micro-batch
+            stats["loss_sum"] += loss.item() * real
+            for key, value in pair_stats.items():
+                stats[key] += value.item() * real
             stats["pairs"] += len(chosen) * real
         return stats
 
     def save(self, path: str, step: int, with_optimizer: bool):
-        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
-        if self.rank == 0:
-            save_hf_folder(
-                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
-            )
-        dist.barrier()
+        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
 
     def load_optimizer(self, path: str):
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+        load_optimizer(self.model, self.optimizer, path)
 
 
 def validate_args(args: Args) -> None:
@@ -310,12 +296,15 @@ def validate_args(args: Args) -> None:
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    check_ranges(args, {
-        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1",
-        "max_length": ">= 1", "num_trainers": ">= 1", "sp_size": ">= 1", "margin": ">= 0", "num_steps": ">= 1",
-        "batch_size": ">= 1", "max_tokens_per_micro_batch": ">= 1", "learning_rate": "> 0", "warmup_steps": ">= 0",
-        "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0", "max_grad_norm": "> 0",
-    })  # fmt: skip
+    check_ranges(
+        args,
+        {
+            ">= 0": "seed save_every margin warmup_steps weight_decay",
+            ">= 1": "eval_every max_length num_trainers sp_size num_steps batch_size max_tokens_per_micro_batch",
+            "> 0": "learning_rate max_grad_norm",
+            ">= 0, <= 1": "min_lr_ratio",
+        },
+    )
     if args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
@@ -356,9 +345,8 @@ def main(args: Args):
     pairs = {}
     for split, (rows, source) in datasets.items():
         encoded = [
-            (encode_example(tokenizer, r["prompt"], r["chosen"])[0], encode_example(tokenizer, r["prompt"], r["rejected"])[0])
-            for r in rows
-        ]  # fmt: skip
+            tuple(encode_example(tokenizer, r["prompt"], r[side])[0] for side in ("chosen", "rejected")) for r in rows
+        ]
         too_long = [i + 1 for i, (c, r) in enumerate(encoded) if max(len(c), len(r)) > args.max_length]
         if too_long and not args.drop_long:
             raise InputError(

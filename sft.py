@@ -21,21 +21,22 @@ from dataclasses import dataclass
 
 import ray
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, encode_example, encode_prompt, load_rows, split_for_ranks, validate_rows
-from common.model import BUILTIN_MODEL, attn_implementation, empty_model, load_weights, resolve_model
+from common.model import (
+    BUILTIN_MODEL,
+    attn_implementation,
+    empty_model,
+    load_optimizer,
+    load_weights,
+    resolve_model,
+    save_checkpoint,
+)
 from common.placement import (
     Layout,
     call,
@@ -46,7 +47,7 @@ from common.placement import (
     spawn_trainers,
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, check_resume, save_hf_folder
+from common.tracking import Run, check_resume
 
 
 @dataclass
@@ -163,6 +164,15 @@ def reward_fn(response: str, answer: str) -> float:
     return float(verify(parse(answer), parse(response)))
 
 
+def compute_loss(logprobs: torch.Tensor) -> torch.Tensor:
+    """SFT's loss on one micro-batch: the negative log-likelihood of its assistant tokens, summed. (N,) -> ().
+
+    train_step divides by the assistant tokens of the whole global batch, so every token weighs the same
+    however the batch is split over ranks and micro-batches.
+    """
+    return -logprobs.sum()
+
+
 def lr_at(step: int, args: Args) -> float:
     """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
     if step < args.warmup_steps:
@@ -217,7 +227,7 @@ class Trainer:
             # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             logprobs = compute_logprobs(self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-            loss = -logprobs.sum() * mb["loss_scale"]
+            loss = compute_loss(logprobs) * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch (split_for_ranks)
             # Normalise by the tokens of the whole global batch; FSDP averages over ranks, so undo its 1/world.
             (loss * self.world_size / num_tokens).backward()
             loss_sum += loss.item()
@@ -236,7 +246,7 @@ class Trainer:
         for mb in micro_batches:
             mb = shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
             logprobs = compute_logprobs(self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-            loss_sum += -logprobs.sum().item() * mb["loss_scale"].item()
+            loss_sum += compute_loss(logprobs).item() * mb["loss_scale"].item()
             tokens += mb["loss_mask"].sum().item() * mb["loss_scale"].item()
         return {"loss_sum": loss_sum, "tokens": tokens}
 
@@ -249,29 +259,17 @@ class Trainer:
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left-pad
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         enable_ring_attention(self.model, None)  # each rank generates its own prompts whole
-        out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=pad, synced_gpus=self.world_size > 1,
-        )  # fmt: skip
+        greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, synced_gpus=self.world_size > 1)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **greedy)
         enable_ring_attention(self.model, self.sp.group)
         stop = {self.tokenizer.eos_token_id, pad}
         return [[t for t in row[width:].tolist() if t not in stop] for row in out]
 
     def save(self, path: str, step: int, with_optimizer: bool):
-        """Write an HF folder (model + tokenizer), plus optimizer state for --resume; atomic via a temp folder."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=opts)  # collective: every rank gathers
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
-        if self.rank == 0:
-            save_hf_folder(
-                self.model, self.tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None
-            )
-        dist.barrier()
+        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
 
     def load_optimizer(self, path: str):
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if self.rank == 0 else {}
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+        load_optimizer(self.model, self.optimizer, path)
 
 
 def validate_args(args: Args) -> None:
@@ -279,12 +277,16 @@ def validate_args(args: Args) -> None:
 
     Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
     """
-    check_ranges(args, {
-        "seed": ">= 0", "save_every": ">= 0", "eval_every": ">= 1",
-        "max_length": ">= 1", "max_new_tokens": ">= 1", "num_trainers": ">= 1", "sp_size": ">= 1",
-        "num_steps": ">= 1", "batch_size": ">= 1", "max_tokens_per_micro_batch": ">= 1", "learning_rate": "> 0",
-        "warmup_steps": ">= 0", "min_lr_ratio": ">= 0, <= 1", "weight_decay": ">= 0", "max_grad_norm": "> 0",
-    })  # fmt: skip
+    check_ranges(
+        args,
+        {
+            ">= 0": "seed save_every warmup_steps weight_decay",
+            ">= 1": "eval_every max_length max_new_tokens num_trainers sp_size num_steps batch_size "
+            "max_tokens_per_micro_batch",
+            "> 0": "learning_rate max_grad_norm",
+            ">= 0, <= 1": "min_lr_ratio",
+        },
+    )
     if args.num_trainers % args.sp_size:
         raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
     dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
@@ -364,10 +366,11 @@ def main(args: Args):
                 responses[r::n] = [tokenizer.decode(o) for o in out]
             rewards = [reward_fn(resp, str(row["answer"])) for resp, row in zip(responses, accuracy_rows)]
             metrics["eval/accuracy"] = sum(rewards) / len(rewards)
-            run.log_samples(step, [
-                {"prompt": row["prompt"], "response": resp, "answer": row["answer"], "reward": rew}
-                for row, resp, rew in zip(accuracy_rows, responses, rewards)
-            ])  # fmt: skip
+            samples = zip(accuracy_rows, responses, rewards)
+            run.log_samples(
+                step,
+                [{"prompt": r["prompt"], "response": t, "answer": r["answer"], "reward": x} for r, t, x in samples],
+            )
         return metrics
 
     # ---- training loop ----

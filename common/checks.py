@@ -28,21 +28,22 @@ class RunError(SystemExit):
         super().__init__(f"error: {message}")
 
 
-def check_ranges(args, ranges: dict[str, str]) -> None:
-    """Every listed flag within its range, e.g. {"num_steps": ">= 1", "top_p": "> 0, <= 1"}; None means unset.
+def check_ranges(args, rules: dict[str, str]) -> None:
+    """Every flag within its range: {rule: flag names}, e.g. {">= 1": "num_steps batch_size", "> 0, <= 1": "top_p"}.
 
-    NaN and infinities are rejected for every float flag (tyro parses "nan" and "inf" as floats).
+    None means unset. NaN and infinities are rejected for every float flag (tyro parses "nan" and "inf" as floats).
     """
-    for name, rule in ranges.items():
-        value, flag = getattr(args, name), "--" + name.replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InputError(f"{flag} must be a finite number (got {value})")
-        for part in rule.split(","):
-            op, bound = part.split()
-            if not RULES[op](value, float(bound)):
-                raise InputError(f"{flag} must be {rule} (got {value})")
+    for rule, names in rules.items():
+        for name in names.split():
+            value, flag = getattr(args, name), "--" + name.replace("_", "-")
+            if value is None:
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InputError(f"{flag} must be a finite number (got {value})")
+            for part in rule.split(","):
+                op, bound = part.split()
+                if not RULES[op](value, float(bound)):
+                    raise InputError(f"{flag} must be {rule} (got {value})")
 
 
 def check_weights(path: str, what: str) -> None:

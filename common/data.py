@@ -124,6 +124,21 @@ def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tu
                 raise InputError(f"{where} must be {kinds} or a non-empty list of messages (got {value!r:.40})")
 
 
+def check_pairs(rows: list[dict], source: str) -> None:
+    """Preference pairs (rm.py, dpo.py): two different, non-empty responses; an empty or tied pair teaches
+    nothing (or noise)."""
+
+    def text(value):
+        return "".join(str(m["content"]) for m in as_messages(value, "assistant")).strip()
+
+    for i, row in enumerate(rows, 1):
+        for col in ("chosen", "rejected"):
+            if not text(row[col]):
+                raise InputError(f"{source}: row {i} column {col!r} is empty")
+        if text(row["chosen"]) == text(row["rejected"]):
+            raise InputError(f"{source}: row {i} has identical 'chosen' and 'rejected' responses")
+
+
 def quiet_hub_logs() -> None:
     """Silence the Hugging Face clients' per-retry warnings; their final error still reaches us."""
     import logging

@@ -14,7 +14,7 @@ import random
 
 import ray
 
-from common.placement import Slot, wait_started
+from common.placement import Slot, wait_all, wait_started
 
 QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore::FutureWarning", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 CPU_ENV = {
@@ -118,6 +118,27 @@ def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
     """A sampling seed for each prompt of draw `draw` (a step, or one round of a step): a pure function of the
     run's seed, the draw and the prompt's place in it, so a resumed run samples what the uninterrupted run did."""
     return [random.Random(f"{seed}/{draw}/{i}").getrandbits(48) for i in range(num_prompts)]
+
+
+def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: float, top_p: float, max_tokens: int,
+             seed: int | None = None, draw: int | None = None) -> list:  # fmt: skip
+    """Deal the prompts round-robin to the engines, sample n responses each; results in prompt order.
+
+    With `draw` (the step, or one round of a step) each prompt's samples are seeded by the run's seed, the draw
+    and the prompt's place in it (sample_seeds), so a resumed run samples the tokens the uninterrupted run did.
+    An engine that dies is named (wait_all).
+    """
+    k = len(engines)
+    seeds = sample_seeds(seed, draw, len(prompts)) if draw is not None else None
+    refs = [
+        e.generate.remote(prompts[i::k], n, temperature, top_p, max_tokens, seeds and seeds[i::k])
+        for i, e in enumerate(engines)
+    ]
+    outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
+    results = [None] * len(prompts)
+    for i, out in enumerate(outs):
+        results[i::k] = out
+    return results
 
 
 def spawn_engines(

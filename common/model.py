@@ -144,3 +144,31 @@ def load_weights(model, auto_cls, path: str, device) -> list[str]:
     message = [missing]
     dist.broadcast_object_list(message, src=0)
     return message[0]
+
+
+def save_checkpoint(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool) -> None:
+    """Called on every rank of an FSDP2 group: all gather the full state dict (a collective, to CPU), rank 0
+    writes an HF folder (model + tokenizer) and, for --resume, the optimizer state; atomic via a temp folder."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from common.tracking import save_hf_folder
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=opts)
+    optim = get_optimizer_state_dict(model, optimizer, options=opts) if with_optimizer else None
+    if dist.get_rank() == 0:
+        save_hf_folder(model, tokenizer, state, path, {"optimizer": optim, "step": step} if optim else None)
+    dist.barrier()
+
+
+def load_optimizer(model, optimizer, path: str) -> None:
+    """Every rank of the group: rank 0 reads the checkpoint's optimizer state, each rank keeps its shard of it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    rank0 = dist.get_rank() == 0
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if rank0 else {}
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=opts)

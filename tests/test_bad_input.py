@@ -380,8 +380,8 @@ def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
     torch.nn.init.normal_(scorer.model.score.weight)
     ids = torch.tensor([trained])
     as_rm = rm.compute_rewards(scorer.model, ids, torch.arange(len(trained))[None])  # rm.py's reading
-    assert scorer.score([trained])[0] == pytest.approx(as_rm.item(), abs=1e-5)
-    assert abs(scorer.score([vllm_like])[0] - as_rm.item()) > 1e-3  # the old input read another token
+    assert scorer.rewards([trained])[0] == pytest.approx(as_rm.item(), abs=1e-5)
+    assert abs(scorer.rewards([vllm_like])[0] - as_rm.item()) > 1e-3  # the old input read another token
 
 
 # ---- a few real processes: the exit status and stderr as a user sees them ----

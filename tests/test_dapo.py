@@ -3,6 +3,7 @@ weights and the overlong penalty against hand-computed values; a 2-step end-to-e
 
 import ast
 import difflib
+import math
 import os
 import random
 import re
@@ -189,6 +190,7 @@ def test_dapo_two_steps_end_to_end(eager_model, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0]
     for r in rows[1:]:
         assert 1 <= r["rollout/sampling_rounds"] <= 2
+        assert r["rollout/prompts_skipped"] == (2 - r["rollout/sampling_rounds"]) * 2  # unused rounds, counted
     trained = [r for r in rows[1:] if "train/loss" in r]
     assert trained, "no step had a group with mixed rewards"
     assert all(1 <= r["rollout/kept_groups"] <= 2 for r in trained)
@@ -198,3 +200,43 @@ def test_dapo_two_steps_end_to_end(eager_model, tmp_path):
     moved = max((a - b).abs().max().item() for a, b in zip(final.parameters(), start.parameters()))
     assert moved > 1e-5  # the trained groups changed the weights
     assert_resume_is_exact("dapo.py", flags, run_dir)  # rounds are seeded per step, round and prompt
+
+
+def test_compute_loss_by_hand():
+    """DAPO: asymmetric clip, TIS weight, no KL term; weighted per token and summed."""
+    args = dapo.Args(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0)
+    old = torch.zeros(3)
+    logprobs = torch.log(torch.tensor([1.5, 1.25, 0.5]))  # ratios 1.5 (clipped to 1.28), 1.25 (inside), 0.5
+    engine = torch.tensor([0.0, -math.log(4.0), 0.0])  # TIS 1, 4 -> cap 2, 1
+    adv, weights = torch.tensor([1.0, 1.0, -1.0]), torch.tensor([0.25, 0.25, 0.5])
+    loss, stats = dapo.compute_loss(logprobs, old, engine, adv, weights, args)
+    # surrogate: -1.28, -1.25, -max(-0.5, -0.8) = 0.8 -> x TIS (1, 2, 1)
+    assert loss.item() == pytest.approx(0.25 * -1.28 + 0.25 * -2.5 + 0.5 * 0.8)
+    assert stats["clipped_tokens"].item() == 2 and set(stats) == {"clipped_tokens", "tis_sum"}
+
+
+def test_a_step_with_nothing_to_train_still_evaluates_logs_and_saves(eager_model, tmp_path):
+    """A constant reward: every group is all-equal, so no step has anything to train (the cap comes first). Each
+    step still evaluates on schedule, logs its samples, saves its checkpoint; the weights do not move."""
+    from transformers import AutoModelForCausalLM
+
+    reward = tmp_path / "constant.py"
+    reward.write_text("def reward(response, answer):\n    return 0.0\n")
+    out = tmp_path / "runs"
+    result = run_script(
+        "dapo.py", "--model", eager_model, "--output-dir", str(out), "--num-steps", "2", "--num-generations", "2",
+        "--prompts-per-step", "2", "--max-response-length", "4", "--max-sampling-rounds", "2", "--engine-memory",
+        "0.25", "--reward-fn", f"{reward}:reward", "--save-every", "1", "--eval-every", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert "eval/accuracy" in r and "train/loss" not in r
+        assert r["rollout/sampling_rounds"] == 2 and r["rollout/kept_groups"] == 0 and r["rollout/prompts_skipped"] == 0
+    assert sorted({r["step"] for r in read_jsonl(os.path.join(run_dir, "samples.jsonl"))}) == [1, 2]
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["final", "step_1"]
+    final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "final"))
+    start = AutoModelForCausalLM.from_pretrained(eager_model)
+    assert all(torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters()))

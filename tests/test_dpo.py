@@ -121,3 +121,13 @@ def test_dpo_end_to_end_loads_in_transformers(tiny_model, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "final"))
     assert model.config.num_hidden_layers == 2
     assert len(read_jsonl(os.path.join(run_dir, "samples.jsonl"))) == 2 * 64  # greedy samples at steps 0 and 3
+
+
+def test_compute_loss_from_sequence_logprobs():
+    args = dpo.Args(beta=0.5)
+    logprobs = torch.tensor([[-3.0, -6.0], [-5.0, -4.0]])  # (P, 2): chosen, rejected under π_θ
+    ref = torch.tensor([[-4.0, -5.0], [-5.0, -4.5]])  # Δ_c = [1, 0], Δ_r = [-1, 0.5]: h = [2, -0.5]
+    losses, rewards = dpo.compute_loss(logprobs, ref, args)
+    torch.testing.assert_close(losses, torch.tensor([softplus(-1.0), softplus(0.25)]))
+    torch.testing.assert_close(rewards, 0.5 * (logprobs - ref))
+    assert not rewards.requires_grad

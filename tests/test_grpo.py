@@ -1,6 +1,7 @@
 """grpo.py: advantages, loss and its aggregation against hand-computed values; weight sync after a real training
 step; end-to-end runs and early errors."""
 
+import math
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from conftest import REPO, assert_resume_is_exact, only_run_dir, parity_reward, 
 
 import grpo
 from common.data import encode_prompt, split_for_ranks
-from common.engines import spawn_engines
+from common.engines import generate, spawn_engines
 from common.placement import Layout, call, init_ray, make_placement_group, rendezvous_address, spawn_trainers
 from common.ring_attn import shares_per_rank
 
@@ -69,7 +70,9 @@ def ray_cpu():
 
 
 def rollout_batch(engines, prompts, G, args, sp_size=1):
-    outs = grpo.generate(engines, prompts, G, args.temperature, args)
+    outs = generate(
+        engines, prompts, n=G, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_response_length
+    )
     seqs = []
     for p, group in zip(prompts, outs):
         for s, adv in zip(group, torch.linspace(-1, 1, G).tolist()):
@@ -167,3 +170,22 @@ def test_grpo_colocated_on_gpu(trainers, tiny_model, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["train/logprob_diff_mean"] < 2e-2 for r in rows[2:])  # steps 2, 3 sampled by pushed weights
     assert rows[-1]["time/sync"] < 60
+
+
+def test_compute_loss_by_hand():
+    """TIS weight x clipped surrogate + β k3 KL, weighted per token and summed; the stats count what it used."""
+    args = grpo.Args(clip_eps=0.2, tis_cap=2.0, kl_coef=0.5)
+    old = torch.zeros(3)
+    logprobs = torch.log(torch.tensor([1.5, 1.0, 0.5]))  # ratios 1.5 (clipped to 1.2), 1.0, 0.5
+    engine = torch.tensor([0.0, -math.log(3.0), math.log(2.0)])  # TIS: e^0 = 1, e^ln3 = 3 -> cap 2, e^-ln2 = 0.5
+    adv, weights = torch.tensor([1.0, 1.0, -1.0]), torch.tensor([0.5, 0.25, 0.25])
+    ref = logprobs.clone()  # KL 0 on every token
+    loss, stats = grpo.compute_loss(logprobs, old, engine, adv, weights, args, ref)
+    # surrogate: -1.2, -1.0, -max(-0.5, -0.8) = 0.8 -> x TIS (1, 2, 0.5): -1.2, -2.0, 0.4
+    assert loss.item() == pytest.approx(0.5 * -1.2 + 0.25 * -2.0 + 0.25 * 0.4)
+    assert stats["clipped_tokens"].item() == 2 and stats["tis_sum"].item() == pytest.approx(3.5)
+    assert stats["kl_sum"].item() == pytest.approx(0.0)
+    ref = logprobs - torch.tensor([0.0, 0.0, 1.0])  # one token with ref - logp = -1: k3 = e^-1 + 1 - 1
+    loss_kl, stats = grpo.compute_loss(logprobs, old, engine, adv, weights, args, ref)
+    assert (loss_kl - loss).item() == pytest.approx(0.25 * 0.5 * math.exp(-1), rel=1e-5)
+    assert "kl_sum" not in grpo.compute_loss(logprobs, old, engine, adv, weights, args)[1]  # β = 0: no reference

@@ -188,3 +188,46 @@ def test_ppo_colocated_on_gpu(tiny_model, tmp_path):
     rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[2]["train/logprob_diff_mean"] < 2e-2  # bf16 engine and trainer
+
+
+def test_policy_and_critic_losses_by_hand():
+    args = ppo.Args(clip_eps=0.2, value_clip_eps=0.2)
+    old = torch.zeros(3)
+    logprobs = torch.log(torch.tensor([1.5, 1.0, 0.5]))  # ratios 1.5 (clipped to 1.2), 1.0, 0.5 (clipped to 0.8)
+    adv, weights = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([0.5, 0.25, 0.25])
+    loss, stats = ppo.compute_loss(logprobs, old, adv, weights, args)
+    assert loss.item() == pytest.approx(0.5 * -1.2 + 0.25 * -2.0 + 0.25 * 0.8)  # no TIS weight in ppo.py
+    assert stats["clipped_tokens"].item() == 2
+    r = torch.tensor([1.5, 1.0, 0.5])  # k3 of KL(π_θold‖π_θ): (ρ - 1) - log ρ per token
+    assert stats["approx_kl_sum"].item() == pytest.approx(((r - 1) - torch.log(r)).sum().item(), rel=1e-5)
+    values, old_values, returns = torch.tensor([0.5, 1.5]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 2.0])
+    loss, stats = ppo.compute_critic_loss(values, old_values, returns, torch.tensor([0.5, 0.5]), args)
+    # both clipped to 0.2 and 1.2: 0.5 * max(0.25, 0.64) and 0.5 * max(0.25, 0.64)
+    assert loss.item() == pytest.approx(0.5 * 0.32 + 0.5 * 0.32) and stats["value_clipped_tokens"].item() == 2
+
+
+def test_minibatches_are_packed_once_and_filled_by_token():
+    """plan_minibatches packs the step's sequences once (the forward passes and training share them);
+    fill_token_values puts each (B, T) value at its response token, whatever the packing and the ranks."""
+    args = ppo.Args(
+        samples_per_prompt=2, num_minibatches=2, num_trainers=2, num_critics=1, max_tokens_per_micro_batch=64
+    )
+    batch = [ppo.Prompt([1, 2, 3], "1", "a", 1), ppo.Prompt([4, 5], "2", "b", 2)]
+    responses = [{"token_ids": list(range(10, 10 + k))} for k in (3, 1, 2, 4)]
+    shares = ppo.plan_minibatches(batch, responses, step=0, args=args)
+    assert [len(group) for group in shares] == [2, 1] and all(len(rank) == 2 for g in shares for rank in g)
+    values = torch.arange(16.0).view(4, 4) + 100  # (B, T): value of response i, token t = 100 + 4i + t
+    ppo.fill_token_values(shares, returns=values)
+    for group in shares:
+        seen = []
+        for rank in group:
+            for mini in rank:
+                for mb in mini:
+                    m = mb["loss_mask"][0].bool()
+                    want = 100 + 4 * mb["seq_id"][0, m] + mb["tok"][0, m]
+                    torch.testing.assert_close(mb["returns"][0, m], want)
+                    assert mb["returns"][0, ~m].abs().sum() == 0
+                    seen += [(int(i), int(t)) for i, t in zip(mb["seq_id"][0, m], mb["tok"][0, m])] * int(
+                        mb["loss_scale"]
+                    )
+        assert sorted(seen) == [(i, t) for i, n in enumerate((3, 1, 2, 4)) for t in range(n)]  # every token once

@@ -128,3 +128,10 @@ def test_rm_end_to_end_loads_in_transformers(tiny_model, tokenizer, tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids, ids])).logits
     assert logits.shape == (2, 1) and torch.isfinite(logits).all()
+
+
+def test_compute_loss_sums_pairs_and_counts():
+    chosen, rejected, margins = torch.tensor([2.0, -1.0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.5])
+    loss, stats = rm.compute_loss(chosen, rejected, margins)
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-1)) + math.log(1 + math.exp(2.5)))
+    assert stats["correct"].item() == 1 and stats["margin_sum"].item() == pytest.approx(1.0 - 2.0)

@@ -1,5 +1,6 @@
 """sft.py: its math, FSDP2 across ranks, and end-to-end runs (checkpoint, resume); bad input is in test_bad_input.py."""
 
+import math
 import os
 
 import pytest
@@ -125,3 +126,7 @@ def test_sft_end_to_end_checkpoint_and_resume(tiny_model, tmp_path):
     assert [r["step"] for r in rows2] == [0, 1, 2, 3]
     assert rows2[-1]["train/loss"] == pytest.approx(rows[-1]["train/loss"], abs=1e-4)
     assert rows2[-1]["train/loss"] != pytest.approx(rows[1]["train/loss"], abs=1e-4)
+
+
+def test_compute_loss_is_the_summed_nll():
+    assert sft.compute_loss(torch.log(torch.tensor([0.5, 0.25]))).item() == pytest.approx(math.log(8))

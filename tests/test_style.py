@@ -9,10 +9,29 @@ import pytest
 from conftest import REPO
 
 SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py"]
-BUDGET = {"sft.py": 600, "rm.py": 600, "dpo.py": 650, "grpo.py": 800, "ppo.py": 1000, "dapo.py": 920}
+# About 10 % above today's sizes: growth past them is a decision, not drift.
+BUDGET = {"sft.py": 460, "rm.py": 470, "dpo.py": 555, "grpo.py": 735, "ppo.py": 1075, "dapo.py": 775}
+MAIN_BUDGET = {"ppo.py": 200}  # lines of main(); 150 for the others: the loop fits on a screen
 PRESENT = [s for s in SCRIPTS if os.path.exists(os.path.join(REPO, s))]
-# Blocks that must stay byte-identical in every script that has them (change them everywhere at once).
-SHARED_FUNCTIONS = ["load_policy", "compute_logprobs", "reward_fn"]
+# Blocks that must stay byte-identical in the scripts listed (change them everywhere at once).
+ALL, RL = SCRIPTS, ["grpo.py", "dapo.py", "ppo.py"]
+SHARED = {
+    "load_policy": ["sft.py", "dpo.py", *RL],
+    "compute_logprobs": ["sft.py", "dpo.py", *RL],
+    "reward_fn": ["sft.py", "dpo.py", *RL],
+    "batch_rows": ALL,
+    "lr_at": ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py"],  # ppo.py's takes the peak (policy or critic)
+    "Prompt": RL,
+    "make_sequence": RL,
+    "encode_prompts": RL,
+    "score_responses": RL,
+    "check_machine": ["grpo.py", "dapo.py"],
+    "read_prompt_rows": ["grpo.py", "dapo.py"],
+    "start_actors": ["grpo.py", "dapo.py"],
+    "plan_minibatches": ["grpo.py", "dapo.py"],
+    "Trainer.save": [*ALL[:5], "ppo.py:ShardedModel.save"],  # ppo.py: the policy and the critic share it
+    "Trainer.load_optimizer": [*ALL[:5], "ppo.py:ShardedModel.load_optimizer"],
+}
 
 
 def source(name):
@@ -26,7 +45,8 @@ def test_line_budget(script):
     assert lines <= BUDGET[script], f"{script} has {lines} lines, budget {BUDGET[script]}"
     tree = ast.parse(source(script))
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    assert main.end_lineno - main.lineno + 1 <= 300, "main() is over 300 lines"
+    limit = MAIN_BUDGET.get(script, 150)
+    assert main.end_lineno - main.lineno + 1 <= limit, f"main() of {script} is over {limit} lines"
 
 
 def test_common_stays_small():
@@ -37,9 +57,10 @@ def test_common_stays_small():
         assert n <= 300, f"common/{f} has {n} lines"
         total += n
     # STYLE.md's target is ~1,000; the GPU/cluster layer (Layout, the rank-0 loader, start-up waits) took it past
-    # 1,400 and the failure handling (checks.py: ranges, pre-flight checks, RunError, reward calls) to ~1,800.
-    # Over this cap, delete or simplify before adding.
-    assert total <= 1850, f"common/ has {total} lines"
+    # 1,400, the failure handling (checks.py: ranges, pre-flight checks, RunError, reward calls) to ~1,800, and
+    # plumbing moved out of the scripts (checkpoint save/load, the engine fan-out, pair checks) to ~1,870.
+    # Over this cap (~10 % headroom), delete or simplify before adding.
+    assert total <= 2050, f"common/ has {total} lines"
 
 
 def test_help_works():
@@ -66,25 +87,42 @@ def test_shared_blocks_are_identical():
     ref = PRESENT[0]
     for script in PRESENT[1:]:
         assert experiment_block(source(script)) == experiment_block(source(ref)), f"Experiment block: {script}"
-        for fn in SHARED_FUNCTIONS:
-            a, b = function_source(ref, fn), function_source(script, fn)
-            if a and b:
-                assert a == b, f"{fn} differs between {ref} and {script}"
+    for name, scripts in SHARED.items():
+        where = [(s.split(":")[0], s.split(":")[-1] if ":" in s else name) for s in scripts]
+        blocks = {s: block_source(s, n) for s, n in where if s in PRESENT}
+        assert all(blocks.values()), f"{name} is missing from {[s for s, b in blocks.items() if not b]}"
+        first = next(iter(blocks))
+        for script, block in blocks.items():
+            assert block == blocks[first], f"{name} differs between {first} and {script}"
 
 
-def function_source(script, name):
+def block_source(script, name):
+    """Source of a top-level function or class `name`, or of a method `Class.name`; None if there is none."""
     text = source(script)
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return ast.get_source_segment(text, node)
-    return None
+    nodes = ast.parse(text).body
+    for part in name.split("."):
+        node = next((n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            return None
+        nodes = node.body
+    return ast.get_source_segment(text, node)
 
 
-def test_scripts_import_without_side_effects():
-    code = "import sys; sys.argv=['x']; " + "; ".join(f"import {s[:-3]}" for s in PRESENT) + "; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr[-2000:]
-    assert not os.path.exists(os.path.join(REPO, "runs", "__import_check__"))
+def test_scripts_import_without_side_effects(tmp_path):
+    """Importing a script (to copy a function, or in a test) starts nothing and writes nothing: no Ray, no
+    process group, no CUDA context, no file in the working directory, nothing printed."""
+    imports = "; ".join(f"import {s[:-3]}" for s in PRESENT)
+    code = (
+        f"import sys; sys.path.insert(0, {REPO!r}); sys.argv = ['x']; {imports}\n"
+        "import ray, torch, torch.distributed as dist\n"
+        "assert not ray.is_initialized(), 'Ray started'\n"
+        "assert not dist.is_initialized(), 'a process group started'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "", out.stdout[-2000:]
+    assert os.listdir(tmp_path) == [], f"importing wrote {os.listdir(tmp_path)}"
 
 
 def test_ruff_format_and_lint():
