@@ -839,7 +839,7 @@ def main(args: Args):
         with open(os.path.join(resume_ckpt, "ppo_state.json")) as f:
             kl_coef = json.load(f)["kl_coef"]
     run = Run(args, run_dir, resume_step)
-    reward_source = f"reward model {args.reward_model}" if reward_model else "rule verifier"
+    reward_source = f"reward model {args.reward_model}" if args.reward_model else "rule verifier"
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  reward: {reward_source}")
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
 
@@ -875,7 +875,7 @@ def main(args: Args):
         # ALGO LOGIC: one scalar score r(x, y) per response, from the verifier or the reward model
         responses = [s for group in outs for s in group]  # (B,) prompt-major, B = prompts x samples_per_prompt
         texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in responses]
-        if reward_model:
+        if reward_model is not None:
             full = [reward_model_input(tokenizer, batch[i // n].text, text) for i, text in enumerate(texts)]
             scores = torch.tensor(wait_all([reward_model.rewards.remote(full)], ["RewardModel#0"], "rewards")[0])
         else:
