@@ -627,13 +627,13 @@ def main(args: Args):
         batch, outs, texts = [g[0] for g in groups], [g[1] for g in groups], [t for g in groups for t in g[2]]
         # DAPO (overlong-filtering): truncated responses are left out of the loss (their reward still counts in Â)
         kept = kept.repeat_interleave(G) & torch.tensor([s["finish_reason"] != "length" for o in outs for s in o])
-        sampling_metrics = {  # DAPO (dynamic-sampling): rounds used, groups trained, prompts of unused rounds skipped
+        sampled = {  # DAPO (dynamic-sampling): rounds used, groups trained, prompts of unused rounds skipped
             "rollout/sampling_rounds": rounds,
             "rollout/kept_groups": int(kept.view(-1, G).any(dim=1).sum()),
             "rollout/prompts_skipped": (args.max_sampling_rounds - rounds) * args.prompts_per_step,
         }
         if not kept.any():  # DAPO (dynamic-sampling): the cap came first: no update this step, the rest as usual
-            end_step(step + 1, {"rollout/reward": rewards.mean().item(), **sampling_metrics}, batch, texts, rewards)
+            end_step(step + 1, metrics := {"rollout/reward": rewards.mean().item(), **sampled}, batch, texts, rewards)
             continue
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
@@ -686,7 +686,7 @@ def main(args: Args):
             "time/step": t_sync - t0,
             "perf/generate_tokens_per_s": sum(lengths) / (t_gen - t0),
             "perf/train_tokens_per_s": train_tokens * args.num_epochs / (t_train - t_gen),
-            **sampling_metrics,  # DAPO (dynamic-sampling); no train/kl
+            **sampled,  # DAPO (dynamic-sampling); no train/kl
         }
         end_step(step + 1, metrics, batch, texts, rewards)
 

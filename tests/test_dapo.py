@@ -226,7 +226,7 @@ def test_a_step_with_nothing_to_train_still_evaluates_logs_and_saves(eager_model
     result = run_script(
         "dapo.py", "--model", eager_model, "--output-dir", str(out), "--num-steps", "2", "--num-generations", "2",
         "--prompts-per-step", "2", "--max-response-length", "4", "--max-sampling-rounds", "2", "--engine-memory",
-        "0.25", "--reward-fn", f"{reward}:reward", "--save-every", "1", "--eval-every", "1",
+        "0.25", "--reward-fn", f"{reward}:reward", "--save-every", "1", "--eval-every", "1", "--overlong-buffer", "0",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = only_run_dir(out)
