@@ -29,6 +29,9 @@ SHARED = {
     "read_prompt_rows": ["grpo.py", "dapo.py"],
     "start_actors": ["grpo.py", "dapo.py"],
     "plan_minibatches": ["grpo.py", "dapo.py"],
+    "Trainer.init_weight_sync": RL,
+    "Trainer.push_weights": RL,
+    "Trainer.train_step": ["grpo.py", "dapo.py"],  # DAPO's loss changes live in its compute_loss
     "Trainer.save": [*ALL[:5], "ppo.py:ShardedModel.save"],  # ppo.py: the policy and the critic share it
     "Trainer.load_optimizer": [*ALL[:5], "ppo.py:ShardedModel.load_optimizer"],
 }
