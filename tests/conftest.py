@@ -150,3 +150,18 @@ def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 
             assert new[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (
                 f"step {old['step']} {key}: {value} -> {new[key]}"
             )
+
+
+@pytest.fixture
+def one_rank_group():
+    """A free local port for a world-1 gloo group in this process (a script's Trainer built without Ray)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    yield "127.0.0.1", port
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -129,20 +129,6 @@ def test_reward_errors_name_the_function_step_and_row():
         call_reward(picky, pairs, "step 4", 5, labels)
 
 
-@pytest.fixture
-def one_rank_group():
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    yield "127.0.0.1", port
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "ppo-critic"])
 def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tiny_model, name):
     """Every trainer (and ppo.py's critic) raises before optimizer.step() when the gradient norm is NaN or inf,

@@ -4,11 +4,9 @@ cache, and a colocated trainer hands its cached memory back before the engine wa
 
 import importlib
 import shlex
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import tyro
 
 from common import model as common_model
@@ -95,17 +93,6 @@ def test_push_waits_for_the_optimizer_step_and_frees_the_cache(monkeypatch):
     events.clear()
     WeightSync(Transfer(), colocated=False).push()  # no engine on this GPU: the next step reuses the cache
     assert events == ["synchronize", "send_weights"]
-
-
-@pytest.fixture
-def one_rank_group():
-    """A world-1 gloo group in this process, for building a script's Trainer without Ray."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    yield "127.0.0.1", port
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def one_micro_batch(module, **per_token):
