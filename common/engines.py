@@ -11,6 +11,8 @@ would fight the co-located trainers; CUDA graphs and torch.compile cost a minute
 
 import os
 import random
+import time
+import uuid
 
 import ray
 
@@ -114,6 +116,136 @@ class Engine:
         return self.version
 
 
+@ray.remote
+class AsyncEngine:
+    """An engine that never stops: vLLM's AsyncLLM, for grpo_async.py. Requests stream in and out while new
+    weights arrive between two decoding steps (PipelineRL's in-flight weight update).
+
+    Same constructor and methods as Engine, all async: Ray runs them concurrently, so a weight update is served
+    while `generate` calls are in flight. vLLM's engine core runs in a child process of this actor (AsyncLLM
+    always does so). Every sampled token comes back with the weight version that sampled it.
+
+    An update pauses the scheduler between two steps, keeping the running requests (`mode="keep"`); the layers
+    are reloaded in place, so decoding them mid-update would fail. Then, by default (`keep_old_kv` False), every
+    running request is preempted and its prompt + tokens so far are prefilled again with the new weights: the
+    tokens after the update are sampled by exactly the new policy (what the trainer can recompute). With
+    `keep_old_kv` (PipelineRL), the KV cache computed by the old weights is kept: no re-prefill, but the new
+    tokens attend to old-weight keys and values. Prompts carry `cache_salt` = the version, so no request reuses
+    prefix-cache blocks of an older version in either mode.
+    """
+
+    def __init__(
+        self, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, sleep_mode: bool,
+        keep_old_kv: bool = False,
+    ):  # fmt: skip
+        import torch
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            torch.set_num_threads(os.cpu_count() or 1)
+        if sleep_mode:
+            raise ValueError("AsyncEngine never sleeps: it generates while the trainers train")
+        self.llm = AsyncLLM.from_engine_args(  # Ray runs an async actor's __init__ in its event loop
+            AsyncEngineArgs(
+                model=model_path,
+                seed=seed,
+                dtype="bfloat16" if on_gpu else "float32",
+                tensor_parallel_size=tp,
+                distributed_executor_backend="mp" if tp > 1 else None,
+                max_model_len=max_model_len,
+                enforce_eager=not on_gpu,
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,
+                weight_transfer_config=WeightTransferConfig(backend=backend),
+                worker_extension_cls="common.gloo_transfer.WorkerExtension",
+                disable_log_stats=True,
+                **({"gpu_memory_utilization": memory} if on_gpu else {"kv_cache_memory_bytes": int(memory * 2**30)}),
+            )
+        )
+        self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
+        self.stats = {"tokens": 0, "idle_s": 0.0, "paused_s": 0.0}  # running totals, read by `get_stats`
+        self.idle_since, self.paused_at = time.monotonic(), None
+
+    async def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
+                       seeds: list[int] | None = None) -> list:  # fmt: skip
+        """As Engine.generate, and each sample also has `versions`: the weight version of every token."""
+        import asyncio
+
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        async def one(prompt: list[int], seed: int | None) -> dict:
+            params = SamplingParams(n=1, seed=seed, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                    logprobs=0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+            request = {"prompt_token_ids": prompt, "cache_salt": f"v{self.version}"}
+            token_ids, logprobs = [], []
+            async for out in self.llm.generate(request, params, uuid.uuid4().hex):  # the new tokens of each step
+                c = out.outputs[0]
+                token_ids += c.token_ids
+                logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+                self.stats["tokens"] += len(c.token_ids)
+            versions = [0] * len(token_ids)
+            for span in c.weight_versions or []:  # tokens [start, end) were sampled by `version`; "default" is 0
+                versions[span.start : span.end] = [int(span.version.replace("default", "0"))] * (span.end - span.start)
+            return {
+                "token_ids": token_ids,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "versions": versions,
+            }
+
+        if self.requests == 0:  # the engine had nothing to do since idle_since
+            self.stats["idle_s"] += time.monotonic() - self.idle_since
+        self.requests += len(prompts) * n
+        try:
+            samples = await asyncio.gather(
+                *[one(p, None if seeds is None else seeds[i] + j) for i, p in enumerate(prompts) for j in range(n)]
+            )
+        finally:
+            self.requests -= len(prompts) * n
+            if self.requests == 0:
+                self.idle_since = time.monotonic()
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    # The weight-transfer protocol; the update happens between start (pause) and finish (resume).
+    async def init_weight_transfer_engine(self, init_info: dict):
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self):
+        self.paused_at = time.monotonic()
+        # Waits for the decoding step in progress; running requests stay. Without keep_old_kv they are
+        # preempted and prefilled again after the resume (and the prefix cache is emptied).
+        await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: dict):
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, version: int):
+        await self.llm.finish_weight_update(weight_version=str(version))  # labels the tokens sampled from now on
+        self.version = version
+        await self.llm.resume_generation()
+        self.stats["paused_s"] += time.monotonic() - self.paused_at
+
+    async def get_version(self) -> int:
+        return self.version
+
+    async def get_stats(self) -> dict:
+        """Running totals: tokens sampled, seconds with no request (waiting for work), seconds paused by updates."""
+        idle = time.monotonic() - self.idle_since if self.requests == 0 else 0.0
+        return dict(self.stats, idle_s=self.stats["idle_s"] + idle)
+
+    async def shutdown(self):
+        self.llm.shutdown()  # stops the engine-core process now rather than at interpreter teardown
+
+
 def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
     """A sampling seed for each prompt of draw `draw` (a step, or one round of a step): a pure function of the
     run's seed, the draw and the prompt's place in it, so a resumed run samples what the uninterrupted run did."""
@@ -143,19 +275,20 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
 
 def spawn_engines(
     pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float,
-    use_gpu: bool, sleep_mode: bool = False, engine_cls=Engine,
+    use_gpu: bool, sleep_mode: bool = False, engine_cls=Engine, **engine_kwargs,
 ) -> list:  # fmt: skip
     """Start one engine per slot (Layout.engines) and wait until every one has loaded its model.
 
     On GPU the engine owns its slot's `tp` GPUs (vLLM's TP workers are child processes and see the actor's
     GPUs), or, colocated, half of a trainer rank's GPU, sleeping while the trainers train (`sleep_mode`).
     The wait comes before anything rendezvouses with the engines, so an engine that fails to start is named
-    here rather than surfacing as a weight-sync timeout. `engine_cls`: a stand-in for placement tests.
+    here rather than surfacing as a weight-sync timeout. `engine_cls`: AsyncEngine (with its `engine_kwargs`),
+    or a stand-in for placement tests.
     """
     env = GPU_ENV if use_gpu else CPU_ENV
     engines = [
         engine_cls.options(**slot.options(pg, env)).remote(
-            model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode
+            model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode, **engine_kwargs
         )
         for i, slot in enumerate(slots)
     ]

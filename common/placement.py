@@ -209,13 +209,26 @@ def wait_all(refs: list, names: list[str], what: str, timeout: float | None = No
             late = ", ".join(pending[r] for r in left)
             hint = " (raise POSTTRAIN_START_TIMEOUT to wait longer)" if what == "start-up" else ""
             raise RunError(f"{late} did not finish {what} within {timeout:.0f} s{hint}")
-        try:
-            ray.get(ready[0])
-        except ray.exceptions.RayActorError as e:
-            raise RunError(f"{pending[ready[0]]} died during {what}: {_first_line(e)}") from None
-        except ray.exceptions.RayTaskError as e:
-            raise RunError(f"{pending[ready[0]]} failed in {what}: {_first_line(e.cause or e)}") from None
+        _get(ready[0], pending[ready[0]], what)
     return ray.get(refs)
+
+
+def wait_first(pending: dict, what: str, timeout: float | None = None) -> tuple:
+    """(ref, result) of the first call of `pending` ({ref: actor name}) to finish; a failure names its actor."""
+    timeout = RPC_TIMEOUT_S if timeout is None else timeout
+    ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout, fetch_local=False)
+    if not ready:
+        raise RunError(f"no {what} call finished within {timeout:.0f} s ({', '.join(sorted(set(pending.values())))})")
+    return ready[0], _get(ready[0], pending[ready[0]], what)
+
+
+def _get(ref, name: str, what: str):
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        raise RunError(f"{name} died during {what}: {_first_line(e)}") from None
+    except ray.exceptions.RayTaskError as e:
+        raise RunError(f"{name} failed in {what}: {_first_line(e.cause or e)}") from None
 
 
 def _actor_name(actor) -> str:

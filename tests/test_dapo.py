@@ -1,8 +1,6 @@
 """dapo.py: the diff against grpo.py stays small and tagged; dynamic sampling, the asymmetric clip, token-level
 weights and the overlong penalty against hand-computed values; a 2-step end-to-end run."""
 
-import ast
-import difflib
 import math
 import os
 import random
@@ -10,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, assert_resume_is_exact, only_run_dir, read_jsonl, run_script
+from conftest import REPO, assert_resume_is_exact, only_run_dir, read_jsonl, run_script, tagged_diff
 
 import dapo
 
@@ -18,38 +16,13 @@ SECTIONS = {"clip-higher", "dynamic-sampling", "token-level-loss", "overlong-fil
 TAG = re.compile(r"# DAPO \(([a-z-]+)\)")
 
 
-def lines(name):
-    with open(os.path.join(REPO, name)) as f:
-        return f.read().splitlines()
-
-
-def docstring_end(text_lines):
-    """Last line index (0-based) of the module docstring: the paper header, rewritten for DAPO, carries no tags."""
-    return ast.parse("\n".join(text_lines)).body[0].end_lineno - 1
-
-
 def test_diff_to_grpo_is_small_and_every_hunk_is_tagged():
-    grpo, new = lines("grpo.py"), lines("dapo.py")
-    changed = sum(
-        1 for d in difflib.unified_diff(grpo, new, lineterm="", n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")
-    )
-    assert changed <= 120, f"dapo.py changes {changed} lines of grpo.py (budget 120)"
-    assert changed > 0
-    doc_a, doc_b = docstring_end(grpo), docstring_end(new)
-    untagged = []
-    # A hunk = changes with 2 lines of context around them (as in `diff -U2`): a tag on a changed line or right
-    # beside it counts.
-    for group in difflib.SequenceMatcher(None, grpo, new, autojunk=False).get_grouped_opcodes(2):
-        edits = [op for op in group if op[0] != "equal"]
-        if all(i2 - 1 <= doc_a and j2 - 1 <= doc_b for _, _, i2, _, j2 in edits):
-            continue  # inside the module docstring
-        j1, j2 = group[0][3], group[-1][4]
-        sections = {m for line in new[j1:j2] for m in TAG.findall(line)}
-        assert sections <= SECTIONS, f"unknown DAPO section(s) {sections - SECTIONS} near dapo.py line {j1 + 1}"
-        if not sections:
-            untagged.append(j1 + 1)
+    changed, untagged, sections = tagged_diff("grpo.py", "dapo.py", TAG)
+    assert 0 < changed <= 120, f"dapo.py changes {changed} lines of grpo.py (budget 120)"
+    assert sections <= SECTIONS, f"unknown DAPO section(s) {sections - SECTIONS}"
     assert not untagged, f"hunks without a `# DAPO (<section>)` tag near dapo.py lines {untagged}"
-    assert {m for line in new for m in TAG.findall(line)} == SECTIONS  # every DAPO change is there
+    with open(os.path.join(REPO, "dapo.py")) as f:
+        assert set(TAG.findall(f.read())) == SECTIONS  # every DAPO change is there
 
 
 def test_grpo_only_fields_are_gone():

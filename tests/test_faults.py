@@ -39,12 +39,12 @@ def processes(marker: str, name: str = "") -> list[int]:
 
 
 class Run:
-    """grpo.py in the background; `wait_for(text)` reads its stdout until a line contains text."""
+    """grpo.py (or `script`) in the background; `wait_for(text)` reads its stdout until a line contains text."""
 
-    def __init__(self, model, out, *flags):
+    def __init__(self, model, out, *flags, script="grpo.py"):
         self.marker = uuid.uuid4().hex
         env = dict(os.environ, PYTHONUNBUFFERED="1", POSTTRAIN_TEST_RUN=self.marker)
-        argv = [sys.executable, os.path.join(REPO, "grpo.py"), "--model", model, "--output-dir", str(out), *FLAGS]
+        argv = [sys.executable, os.path.join(REPO, script), "--model", model, "--output-dir", str(out), *FLAGS]
         self.proc = subprocess.Popen([*argv, *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -54,7 +54,7 @@ class Run:
             if text in line:
                 return
             assert time.monotonic() < deadline, f"no {text!r} within {timeout} s"
-        raise AssertionError(f"grpo.py ended before printing {text!r}: {self.proc.stderr.read()[-3000:]}")
+        raise AssertionError(f"the run ended before printing {text!r}: {self.proc.stderr.read()[-3000:]}")
 
     def finish(self, within: float) -> tuple[int, str]:
         """Wait for the exit (at most `within` s); its status and its `error:` line. Then no process may remain."""
