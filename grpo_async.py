@@ -16,6 +16,7 @@ Run it:
         --num-engines 4 --max-response-length 1024 --prompts-per-step 128 --max-lag 2   # 8 GPUs: 4 train, 4 generate
 """
 
+import json  # ASYNC: timeline.json
 import math
 import os
 import re
@@ -142,7 +143,7 @@ class Args:
     tokens sampled then come from a mix of old and new weights"""
 
     # Optimization
-    num_steps: int = 20
+    num_steps: int = 10  # ASYNC: 20 in grpo.py; on 2 shared CPU cores an async step is slower (docs/grpo_async.md)
     """rollout + training steps"""
     prompts_per_step: int = 6
     """prompts per rollout batch (each sampled G times)"""
@@ -659,7 +660,7 @@ def main(args: Args):
         run.log(0, first, console)
     run.start_progress(args.num_steps, resume_step)
     rollouts = Rollouts(engines, prompts["train"], resume_step, args)  # ASYNC: from now on the engines never stop
-    before = rollouts.engine_stats()
+    before, phases = rollouts.engine_stats(), []  # phases: (start, data, trained, synced) of every step
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch, outs = rollouts.take(step)  # ASYNC: waits only if fewer than B groups are done
@@ -685,6 +686,7 @@ def main(args: Args):
         rollouts.version = step + 1
         rollouts.fill()  # the step after next may now be sampled
         t_sync = time.time()
+        phases.append((t0, t_gen, t_train, t_sync))
 
         # ---- log ----
         summed = ("loss", "tokens", "clipped_tokens", "tis_sum", "logprob_diff_sum")  # each rank's share
@@ -728,7 +730,9 @@ def main(args: Args):
         end_step(step + 1, metrics, batch, texts, rewards, [s["versions"] for s in responses])
 
     # ---- teardown: final model in HF format ----
-    rollouts.close()  # ASYNC: abort the groups still in flight, stop the engines
+    with open(os.path.join(run.dir, "timeline.json"), "w") as f:  # ASYNC: who waited for whom, benchmark/timeline.py
+        json.dump({"steps": phases, "engines": call(engines, "get_timeline")}, f)
+    rollouts.close()  # abort the groups still in flight, stop the engines
     call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
     if first and "eval/accuracy" in metrics:
         run.print(

@@ -9,7 +9,8 @@
 # a random-weight model of Qwen2.5-0.5B's shape (vocab of the built-in tokenizer, built here: no hub),
 # 64 prompts x G = 8 x 512 response tokens (random weights never stop early), bf16, gradient checkpointing,
 # trainer and vLLM colocated on one GPU, one optimizer step per rollout batch. With 2+ GPUs it also runs the
-# split layout (trainer on GPU 0, engine on GPU 1: NCCL weight sync).
+# split layout (trainer on GPU 0, engine on GPU 1: NCCL weight sync), and grpo_async.py on the same two GPUs
+# (target: a step within 1.1 x max(generation, training) of the split grpo.py run).
 #
 # Environment: PYTHON  a Python with the pinned GPU stack (default: `make setup`, then .venv/bin/python)
 #              OUT_DIR where runs and logs go (default /tmp/posttrain-gpu)
@@ -46,12 +47,12 @@ echo "== 3/3 reference benchmark"
 model=$("$PYTHON" -c "import sys; sys.path.insert(0, '.')
 from benchmark.random_model import make_random_model
 print(make_random_model('qwen2.5-0.5b', '$out/qwen2.5-0.5b-random'))" | tail -1)
-bench() {  # name, then grpo.py flags; GPU memory is polled every 0.5 s while it runs
-  local name=$1
+bench() {  # name, then flags of $SCRIPT (default grpo.py); GPU memory is polled every 0.5 s while it runs
+  local name=$1 script=${SCRIPT:-grpo.py}
   shift
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/$name.memory.log" &
   local poller=$!
-  "$PYTHON" grpo.py --model "$model" --exp-name "$name" --output-dir "$out/$name" --num-steps "$steps" \
+  "$PYTHON" "$script" --model "$model" --exp-name "$name" --output-dir "$out/$name" --num-steps "$steps" \
     --prompts-per-step 64 --num-generations 8 --max-response-length 512 --gradient-checkpointing \
     --max-tokens-per-micro-batch 16384 --eval-dataset "" --learning-rate 1e-6 --warmup-steps 0 "$@"
   local rc=$?
@@ -64,6 +65,10 @@ if bench colocated --colocate; then
 fi
 if [ "$gpus" -ge 2 ] && bench split --num-trainers 1 --num-engines 1; then
   "$PYTHON" benchmark/gpu_report.py "$out"/split/split__* --memory "$out/split.memory.log"
+  # grpo_async.py on the same two GPUs and batch; its target is relative to the split run above
+  if SCRIPT=grpo_async.py bench async --num-trainers 1 --num-engines 1; then
+    "$PYTHON" benchmark/gpu_report.py "$out"/split/split__* "$out"/async/async__* --memory "$out/async.memory.log"
+  fi
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then

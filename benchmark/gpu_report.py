@@ -23,13 +23,14 @@ def report(run_dir: str) -> dict:
     later = rows[1:] or rows
 
     def mean(key):
-        return sum(r[key] for r in later) / len(later)
+        return sum(r.get(key, float("nan")) for r in later) / len(later)
 
     a = config["args"]
     return {
-        "run": os.path.basename(run_dir),
+        "run": os.path.basename(run_dir), "script": config.get("script", "grpo.py"),
         "layout": f"{a['num_trainers']} trainer(s), {a['num_engines']} engine(s)" + (", colocated" if a["colocate"] else ""),
         "steps": len(rows), "first step (s)": rows[0]["time/step"], "generate (s)": mean("time/generate"),
+        "wait for data (s)": mean("time/wait_rollouts"), "lag": mean("rollout/lag_mean"),
         "train (s)": mean("time/train"), "sync (s)": mean("time/sync"), "step (s)": mean("time/step"),
         "response length": mean("rollout/response_length"), "generated tok/s": mean("perf/generate_tokens_per_s"),
         "trained tok/s": mean("perf/train_tokens_per_s"), "versions": config.get("versions", {}),
@@ -59,6 +60,13 @@ def main():
             verdict = "within" if r["step (s)"] <= TARGET_STEP_S else "OVER"
             print(f"{r['run']}: {r['step (s)']:.2f} s per step, {verdict} the {TARGET_STEP_S} s target")
         print(f"{r['run']}: weight sync {r['sync (s)']:.2f} s per step (target < 1 s for 0.5B)")
+    # grpo_async.py's target: a step within 1.1 x max(generation, training) of grpo.py's split run (same batch)
+    split = [r for r in rows if r["script"] == "grpo.py" and "colocated" not in r["layout"]]
+    for r in rows:
+        if r["script"] == "grpo_async.py" and split:
+            bound = 1.1 * max(split[0]["generate (s)"], split[0]["train (s)"])
+            verdict = "within" if r["step (s)"] <= bound else "OVER"
+            print(f"{r['run']}: {r['step (s)']:.2f} s per step, {verdict} 1.1 x max(generate, train) = {bound:.2f} s")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,34 @@ CPU_ENV = {
 GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET}
 
 
+def engine_args(model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, on_gpu: bool):
+    """vLLM's arguments, the same for both engines."""
+    from vllm.config import WeightTransferConfig
+
+    cpu = {
+        "kv_cache_memory_bytes": int(memory * 2**30),
+        # A prefill split over two steps rewinds the request's seeded generator, which a CPU generator cannot do
+        # (vLLM crashes): prefill whole prompts only, with a token budget that fits many (the offline default).
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(8192, max_model_len),
+    }
+    return dict(
+        model=model_path,
+        seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded instead
+        dtype="bfloat16" if on_gpu else "float32",
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+        max_model_len=max_model_len,
+        enforce_eager=not on_gpu,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        weight_transfer_config=WeightTransferConfig(backend=backend),
+        # Imported in every worker process; registers the CPU "gloo" weight-transfer backend with vLLM.
+        worker_extension_cls="common.gloo_transfer.WorkerExtension",
+        **({"gpu_memory_utilization": memory} if on_gpu else cpu),
+    )
+
+
 @ray.remote
 class Engine:
     def __init__(
@@ -36,27 +64,14 @@ class Engine:
         """`memory`: fraction of GPU memory for weights + KV cache on GPU, GiB of KV cache on CPU."""
         import torch
         from vllm import LLM
-        from vllm.config import WeightTransferConfig
 
         on_gpu = torch.cuda.is_available()
         if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it after start-up
             torch.set_num_threads(os.cpu_count() or 1)
         self.llm = LLM(
-            model=model_path,
-            seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded instead
-            dtype="bfloat16" if on_gpu else "float32",
-            tensor_parallel_size=tp,
-            distributed_executor_backend="mp" if tp > 1 else None,
-            max_model_len=max_model_len,
-            enforce_eager=not on_gpu,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
-            weight_transfer_config=WeightTransferConfig(backend=backend),
-            # Imported in every worker process; registers the CPU "gloo" weight-transfer backend with vLLM.
-            worker_extension_cls="common.gloo_transfer.WorkerExtension",
+            **engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu),
             enable_sleep_mode=sleep_mode,
             use_tqdm_on_load=False,
-            **({"gpu_memory_utilization": memory} if on_gpu else {"kv_cache_memory_bytes": int(memory * 2**30)}),
         )
         self.version = 0
 
@@ -121,9 +136,8 @@ class AsyncEngine:
     """An engine that never stops: vLLM's AsyncLLM, for grpo_async.py. Requests stream in and out while new
     weights arrive between two decoding steps (PipelineRL's in-flight weight update).
 
-    Same constructor and methods as Engine, all async: Ray runs them concurrently, so a weight update is served
-    while `generate` calls are in flight. vLLM's engine core runs in a child process of this actor (AsyncLLM
-    always does so). Every sampled token comes back with the weight version that sampled it.
+    Engine's constructor and methods, all async: Ray runs them concurrently, so a weight update is served while
+    `generate` calls are in flight. AsyncLLM always runs vLLM's engine core in a child process of the actor.
 
     An update pauses the scheduler between two steps, keeping the running requests (`mode="keep"`); the layers
     are reloaded in place, so decoding them mid-update would fail. Then, by default (`keep_old_kv` False), every
@@ -139,35 +153,20 @@ class AsyncEngine:
         keep_old_kv: bool = False,
     ):  # fmt: skip
         import torch
-        from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             torch.set_num_threads(os.cpu_count() or 1)
-        if sleep_mode:
-            raise ValueError("AsyncEngine never sleeps: it generates while the trainers train")
-        self.llm = AsyncLLM.from_engine_args(  # Ray runs an async actor's __init__ in its event loop
-            AsyncEngineArgs(
-                model=model_path,
-                seed=seed,
-                dtype="bfloat16" if on_gpu else "float32",
-                tensor_parallel_size=tp,
-                distributed_executor_backend="mp" if tp > 1 else None,
-                max_model_len=max_model_len,
-                enforce_eager=not on_gpu,
-                logprobs_mode="processed_logprobs",
-                enable_prefix_caching=True,
-                weight_transfer_config=WeightTransferConfig(backend=backend),
-                worker_extension_cls="common.gloo_transfer.WorkerExtension",
-                disable_log_stats=True,
-                **({"gpu_memory_utilization": memory} if on_gpu else {"kv_cache_memory_bytes": int(memory * 2**30)}),
-            )
-        )
+        assert not sleep_mode, "AsyncEngine never sleeps: it generates while the trainers train"
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu)
+        # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output handler joins.
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
         self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
         self.stats = {"tokens": 0, "idle_s": 0.0, "paused_s": 0.0}  # running totals, read by `get_stats`
-        self.idle_since, self.paused_at = time.monotonic(), None
+        self.intervals = []  # (what, start, end) in wall-clock seconds: "idle" (no request) and "paused" (update)
+        self.idle_since, self.paused_at = time.time(), None
 
     async def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
                        seeds: list[int] | None = None) -> list:  # fmt: skip
@@ -190,15 +189,10 @@ class AsyncEngine:
             versions = [0] * len(token_ids)
             for span in c.weight_versions or []:  # tokens [start, end) were sampled by `version`; "default" is 0
                 versions[span.start : span.end] = [int(span.version.replace("default", "0"))] * (span.end - span.start)
-            return {
-                "token_ids": token_ids,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-                "versions": versions,
-            }
+            return dict(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason, versions=versions)
 
         if self.requests == 0:  # the engine had nothing to do since idle_since
-            self.stats["idle_s"] += time.monotonic() - self.idle_since
+            self._interval("idle", self.idle_since)
         self.requests += len(prompts) * n
         try:
             samples = await asyncio.gather(
@@ -207,7 +201,7 @@ class AsyncEngine:
         finally:
             self.requests -= len(prompts) * n
             if self.requests == 0:
-                self.idle_since = time.monotonic()
+                self.idle_since = time.time()
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     # The weight-transfer protocol; the update happens between start (pause) and finish (resume).
@@ -217,7 +211,7 @@ class AsyncEngine:
         await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
 
     async def start_weight_update(self):
-        self.paused_at = time.monotonic()
+        self.paused_at = time.time()
         # Waits for the decoding step in progress; running requests stay. Without keep_old_kv they are
         # preempted and prefilled again after the resume (and the prefix cache is emptied).
         await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
@@ -232,15 +226,24 @@ class AsyncEngine:
         await self.llm.finish_weight_update(weight_version=str(version))  # labels the tokens sampled from now on
         self.version = version
         await self.llm.resume_generation()
-        self.stats["paused_s"] += time.monotonic() - self.paused_at
+        self._interval("paused", self.paused_at)
+
+    def _interval(self, what: str, start: float):
+        end = time.time()
+        self.intervals.append((what, start, end))
+        self.stats[f"{what}_s"] += end - start
 
     async def get_version(self) -> int:
         return self.version
 
     async def get_stats(self) -> dict:
         """Running totals: tokens sampled, seconds with no request (waiting for work), seconds paused by updates."""
-        idle = time.monotonic() - self.idle_since if self.requests == 0 else 0.0
+        idle = time.time() - self.idle_since if self.requests == 0 else 0.0
         return dict(self.stats, idle_s=self.stats["idle_s"] + idle)
+
+    async def get_timeline(self) -> list[tuple[str, float, float]]:
+        """The idle and paused intervals so far (wall clock): the engine generated the rest of the time."""
+        return list(self.intervals)
 
     async def shutdown(self):
         self.llm.shutdown()  # stops the engine-core process now rather than at interpreter teardown

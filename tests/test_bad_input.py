@@ -15,8 +15,8 @@ import tyro
 from conftest import run_script
 from safetensors.torch import save_file
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo"]
-RL = ["grpo", "dapo", "ppo"]
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
+RL = ["grpo", "dapo", "ppo", "grpo_async"]
 GOOD_ROW = {
     "sft": {"prompt": "What is 1 + 1?", "completion": "2"},
     "rm": {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"},
@@ -114,6 +114,7 @@ CASES = [  # (scripts, flags, what the line names)
     (["dapo"], ["--overlong-buffer", "30", "--max-response-length", "24"], "--overlong-buffer must be >= 0, < 24"),
     (["dpo"], ["--label-smoothing", "0.5"], "--label-smoothing must be >= 0, < 0.5"),
     (["rm"], ["--margin", "-0.5"], "--margin must be >= 0"),
+    (["grpo_async"], ["--colocate"], "--colocate does not work with asynchronous rollouts"),
 ]
 
 

@@ -85,6 +85,20 @@ def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, actor):
     assert status == 1 and f"{actor}#0 died during" in error, error
 
 
+@pytest.mark.parametrize("actor", ["AsyncEngine", "Trainer"])
+def test_grpo_async_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, actor):
+    """grpo_async.py: the engine dies while it generates (step 3's groups are in flight once step 1 is logged),
+    or a trainer dies in a step; the engine-core processes of AsyncLLM must go too (finish checks)."""
+    run = Run(tiny_model, tmp_path, "--num-steps", "50", "--max-response-length", "48", script="grpo_async.py")
+    run.wait_for("step 1 ")
+    victims = processes(run.marker, f"ray::{actor}")
+    assert victims, f"no ray::{actor} process found"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    status, error = run.finish(within=60)
+    assert status == 1 and f"{actor}#0 died during" in error, error
+
+
 def test_sigterm_stops_the_run_and_its_actors(tiny_model, tmp_path):
     run = Run(tiny_model, tmp_path, "--num-steps", "50")
     run.wait_for("run dir:")

@@ -13,7 +13,7 @@ from common import model as common_model
 from common.data import split_for_ranks
 from common.weight_sync import WeightSync
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo"]
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
 
 
 def docstring_commands(module) -> list[list[str]]:

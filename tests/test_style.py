@@ -8,32 +8,45 @@ import sys
 import pytest
 from conftest import REPO
 
-SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py"]
+SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
 # About 10 % above today's sizes: growth past them is a decision, not drift.
-BUDGET = {"sft.py": 460, "rm.py": 470, "dpo.py": 555, "grpo.py": 735, "ppo.py": 1075, "dapo.py": 775}
+BUDGET = {
+    "sft.py": 460,
+    "rm.py": 470,
+    "dpo.py": 555,
+    "grpo.py": 735,
+    "ppo.py": 1075,
+    "dapo.py": 775,
+    "grpo_async.py": 820,
+}
 MAIN_BUDGET = {"ppo.py": 200}  # lines of main(); 150 for the others: the loop fits on a screen
 PRESENT = [s for s in SCRIPTS if os.path.exists(os.path.join(REPO, s))]
 # Blocks that must stay byte-identical in the scripts listed (change them everywhere at once).
-ALL, RL = SCRIPTS, ["grpo.py", "dapo.py", "ppo.py"]
+ALL, RL = SCRIPTS, ["grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
+GRPO = ["grpo.py", "dapo.py", "grpo_async.py"]  # grpo.py and its variants
 SHARED = {
     "load_policy": ["sft.py", "dpo.py", *RL],
     "compute_logprobs": ["sft.py", "dpo.py", *RL],
     "reward_fn": ["sft.py", "dpo.py", *RL],
     "batch_rows": ALL,
-    "lr_at": ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py"],  # ppo.py's takes the peak (policy or critic)
+    "lr_at": ["sft.py", "rm.py", "dpo.py", *GRPO],  # ppo.py's takes the peak (policy or critic)
     "Prompt": RL,
     "make_sequence": RL,
     "encode_prompts": RL,
     "score_responses": RL,
-    "check_machine": ["grpo.py", "dapo.py"],
-    "read_prompt_rows": ["grpo.py", "dapo.py"],
+    "check_machine": GRPO,
+    "read_prompt_rows": GRPO,
     "start_actors": ["grpo.py", "dapo.py"],
-    "plan_minibatches": ["grpo.py", "dapo.py"],
+    "plan_minibatches": GRPO,
     "Trainer.init_weight_sync": RL,
     "Trainer.push_weights": RL,
-    "Trainer.train_step": ["grpo.py", "dapo.py"],  # DAPO's loss changes live in its compute_loss
-    "Trainer.save": [*ALL[:5], "ppo.py:ShardedModel.save"],  # ppo.py: the policy and the critic share it
-    "Trainer.load_optimizer": [*ALL[:5], "ppo.py:ShardedModel.load_optimizer"],
+    "Trainer.train_step": GRPO,  # DAPO's loss changes live in its compute_loss
+    "Trainer.save": [
+        *ALL[:5],
+        "grpo_async.py",
+        "ppo.py:ShardedModel.save",
+    ],  # ppo.py: the policy and the critic share it
+    "Trainer.load_optimizer": [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.load_optimizer"],
 }
 
 
