@@ -447,9 +447,9 @@ class Rollouts:
         self.fill()
 
     def fill(self):
-        """Send groups until every step up to version + K has its B groups."""
+        """Send groups until every step up to version + K (and at most the last) has its B groups."""
         args, B = self.args, self.B
-        while self.live < (self.version + args.max_lag + 1) * B:
+        while self.live < min(self.version + args.max_lag + 1, args.num_steps) * B:
             draw, i = divmod(self.sent, B)  # the stream: grpo.py's batches, one after the other
             prompt = self.train[batch_rows(draw, len(self.train), B, args.seed)[i]]
             seed, k = sample_seeds(args.seed, draw, B)[i], self.sent % len(self.engines)

@@ -1,8 +1,10 @@
 """Turn runs' metrics.jsonl into PNG curves, one figure per metric group (train/, eval/, rollout/, ...).
 
-    python -m common.plot runs/grpo__1__1763800000 [more run dirs...] [--out plots/]
+    python -m common.plot runs/grpo__1__1763800000 [more run dirs...] [--out plots/] [--x time]
 
-Several runs are drawn on the same axes, so seeds or variants compare at a glance.
+Several runs are drawn on the same axes, so seeds or variants compare at a glance. `--x time` puts the seconds
+the steps took (the running sum of time/step; start-up and evaluation left out) on the x axis instead of the
+step, to compare how fast runs learn in wall-clock terms (e.g. grpo.py against grpo_async.py).
 """
 
 import argparse
@@ -24,7 +26,16 @@ def load_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
+def step_seconds(series: dict) -> dict[int, float]:
+    """Step -> seconds of training steps up to and including it (the running sum of time/step)."""
+    elapsed, total = {0: 0.0}, 0.0
+    for step, seconds in sorted(series.get("time/step", [])):
+        total += seconds
+        elapsed[step] = total
+    return elapsed
+
+
+def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,9 +57,12 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
             for name, series in runs.items():
                 if key in series:
                     steps, values = zip(*series[key])
+                    if x == "time":
+                        elapsed = step_seconds(series)
+                        steps, values = zip(*[(elapsed[s], v) for s, v in series[key] if s in elapsed])
                     ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=name)
             ax.set_title(key, fontsize=9)
-            ax.set_xlabel("step", fontsize=8)
+            ax.set_xlabel("step" if x == "step" else "seconds of training steps", fontsize=8)
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(keys) :]:
             ax.axis("off")
@@ -66,9 +80,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Plot metrics.jsonl of one or more run directories.")
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default=None, help="output folder (default: <first run>/plots)")
+    parser.add_argument("--x", choices=["step", "time"], default="step", help="x axis: step, or seconds of steps")
     cli = parser.parse_args()
     for d in cli.run_dirs:
         if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
             raise SystemExit(f"error: {d} has no metrics.jsonl")
-    for path in plot_runs(cli.run_dirs, cli.out or os.path.join(cli.run_dirs[0], "plots")):
+    for path in plot_runs(cli.run_dirs, cli.out or os.path.join(cli.run_dirs[0], "plots"), cli.x):
         print(path)

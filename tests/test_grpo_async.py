@@ -1,14 +1,17 @@
 """grpo_async.py and common/engines.py's AsyncEngine: an in-flight weight update seen inside one sequence, the
 lag bound over real runs, faults, the diff against grpo.py, and an end-to-end run."""
 
+import json
 import os
 import re
 import time
+import uuid
 
 import pytest
 import ray
 import torch
 from conftest import only_run_dir, read_jsonl, run_script, tagged_diff
+from test_faults import processes
 from test_weight_sync import SyncTrainer
 
 import grpo_async
@@ -69,6 +72,10 @@ def test_in_flight_update_inside_one_sequence(tiny_model, tokenizer):
         switch = kept["versions"].index(1)
         stale = (new_kept[switch:] - torch.tensor(kept["logprobs"][switch:])).abs()
         assert stale.max() > 1e-3, "keep_old_kv: the tokens after the update should see the old weights' KV"
+        # More prompt tokens at once than vLLM's default budget of one step (2048 for an async engine), seeded:
+        # a prefill split over two steps would rewind the seeded CPU generator, which crashes vLLM.
+        outs = ray.get(engines[0].generate.remote([list(range(5, 205))] * 12, 1, 1.0, 1.0, 4, list(range(12))))
+        assert [len(group[0]["token_ids"]) for group in outs] == [4] * 12
         ray.get([e.shutdown.remote() for e in engines])
     finally:
         ray.shutdown()
@@ -145,6 +152,9 @@ def test_rollouts_keep_the_lag_bound_and_the_buffer_bounded(max_lag):
         time.sleep(0.5)
         cancelled = sum(s["cancelled"] for s in ray.get([e.get_stats.remote() for e in engines]))
         assert in_flight > 0 and cancelled > 0
+        last = grpo_async.Rollouts(engines, train, 5, grpo_async.Args(prompts_per_step=4, max_lag=3, num_steps=6))
+        assert last.sent - 5 * 4 == 4  # nothing is sampled for steps after the last
+        last.close()
     finally:
         ray.shutdown()
 
@@ -153,28 +163,66 @@ FLAGS = ("--num-generations", "4", "--prompts-per-step", "4", "--max-response-le
          "0.25", "--eval-every", "2")  # fmt: skip
 
 
-@pytest.mark.parametrize("max_lag", [0, 1])
-def test_end_to_end_runs_keep_the_lag_bound(tiny_model, tmp_path, max_lag):
-    """A few real steps with a tiny model: every token logged as trained was sampled at most K steps before
-    (recomputed here from the engine's per-token versions), and the final model is written."""
-    steps = 4 if max_lag else 3
-    flags = ("--max-lag", str(max_lag), "--num-steps", str(steps), *(("--keep-old-kv",) if max_lag else ()))
-    proc = run_script("grpo_async.py", "--model", tiny_model, "--output-dir", str(tmp_path), *FLAGS, *flags)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = only_run_dir(tmp_path)
+def check_run(run_dir: str, steps: range, max_lag: int) -> list[dict]:
+    """The metrics of `steps` are there and within the lag bound, recomputed from the engines' per-token versions
+    logged with the samples (step s + 1's row holds tokens trained at step s)."""
     metrics = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "train/loss" in r]
-    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    assert [r["step"] for r in metrics] == list(steps)
     for key in ("rollout/lag_mean", "rollout/lag_max", "rollout/dropped_groups", "time/wait_rollouts",
                 "time/engine_idle", "time/engine_paused", "perf/generate_tokens_per_s", "perf/train_tokens_per_s"):  # fmt: skip
         assert all(key in r for r in metrics), key
     assert all(r["rollout/lag_max"] <= max_lag for r in metrics)
-    samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
-    assert {s["step"] for s in samples} == set(range(1, steps + 1))
-    lags = [s["step"] - 1 - v for s in samples for v in s["versions"]]  # logged at step s+1 after training step s
+    samples = [s for s in read_jsonl(os.path.join(run_dir, "samples.jsonl")) if s["step"] in steps]
+    assert {s["step"] for s in samples} == set(steps)
+    lags = [s["step"] - 1 - v for s in samples for v in s["versions"]]
     assert lags and min(lags) >= 0 and max(lags) <= max_lag
-    if max_lag:  # later steps train on groups sampled during the step before: the pipeline overlapped
-        assert max(r["rollout/lag_mean"] for r in metrics) > 0
-    else:
-        assert set(lags) == {0} and all(r["rollout/dropped_groups"] == 0 for r in metrics)
-    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "model.safetensors"))
+    return metrics
+
+
+def test_end_to_end_run_then_resume_on_policy(tiny_model, tmp_path):
+    """4 real steps with a tiny model and --max-lag 1: the lag bound holds and the pipeline overlapped (some
+    trained tokens have lag 1); the final model and timeline are written. Then resume from step 2 with
+    --max-lag 0: steps 3-4 are trained on tokens of lag exactly 0, counted from the resumed step's weights."""
+    flags = ("--model", tiny_model, "--output-dir", str(tmp_path), *FLAGS)
+    marker = uuid.uuid4().hex  # every process of the run inherits it
+    proc = run_script("grpo_async.py", *flags, "--num-steps", "4", "--save-every", "2", "--keep-old-kv",
+                      env={"POSTTRAIN_TEST_RUN": marker})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not processes(marker), "actors or vLLM engine-core processes outlived the run"
+    run_dir = only_run_dir(tmp_path)
+    metrics = check_run(run_dir, range(1, 5), max_lag=1)
+    assert max(r["rollout/lag_mean"] for r in metrics) > 0  # later steps train on groups sampled a step before
     assert "eval/accuracy" in metrics[-1]
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "model.safetensors"))
+    with open(os.path.join(run_dir, "timeline.json")) as f:
+        timeline = json.load(f)
+    assert len(timeline["steps"]) == 4 and any(what == "paused" for what, _, _ in timeline["engines"][0])
+
+    step_2 = os.path.join(run_dir, "checkpoints", "step_2")
+    proc = run_script("grpo_async.py", *flags, "--num-steps", "4", "--resume", step_2, "--max-lag", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = check_run(run_dir, range(1, 5), max_lag=1)  # rows 3-4 replaced by the resumed run's
+    assert all(r["rollout/lag_max"] == 0 and r["rollout/dropped_groups"] == 0 for r in metrics[2:])
+    resumed = [s for s in read_jsonl(os.path.join(run_dir, "samples.jsonl"))][-8:]  # the last step's 2 groups
+    assert {v for s in resumed for v in s["versions"]} == {3}  # sampled by step 3's weights, trained at step 3
+
+
+def test_plot_overlays_runs_against_wall_clock(tmp_path):
+    """`python -m common.plot A B --x time`: each run's curve against the running sum of its time/step."""
+    from common.plot import plot_runs, step_seconds
+
+    runs = []
+    for name, seconds in (("sync", 40.0), ("async", 30.0)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": 0, "eval/accuracy": 0.4}] + [
+            {"step": s, "rollout/reward": 0.1 * s, "time/step": seconds} for s in range(1, 4)
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(str(run))
+    assert step_seconds({"time/step": [(1, 40.0), (2, 35.0)]}) == {0: 0.0, 1: 40.0, 2: 75.0}
+    written = plot_runs(runs, str(tmp_path / "plots"), x="time")
+    assert sorted(os.path.basename(p) for p in written) == ["eval.png", "rollout.png", "time.png"]
