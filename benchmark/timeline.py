@@ -18,10 +18,10 @@ COLORS = {"generate": "tab:blue", "wait": "0.85", "train": "tab:orange", "sync":
 def grpo_bars(run_dir: str, steps: int) -> dict[str, list]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "time/train" in r][:steps]
-    bars, t = {"engine": [], "trainer": []}, 0.0
+    bars, t = {"trainer": [], "engine 0": []}, 0.0
     for r in rows:
         gen, train, sync = r["time/generate"], r["time/train"], r["time/sync"]
-        bars["engine"] += [(t, gen, "generate"), (t + gen, train, "idle"), (t + gen + train, sync, "sync")]
+        bars["engine 0"] += [(t, gen, "generate"), (t + gen, train, "idle"), (t + gen + train, sync, "sync")]
         bars["trainer"] += [(t, gen, "wait"), (t + gen, train, "train"), (t + gen + train, sync, "sync")]
         t += gen + train + sync
     return bars

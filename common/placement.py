@@ -162,7 +162,7 @@ def wait_started(actors: list) -> None:
 
     An actor that Ray cannot place (no bundle with the resources it asks for) also ends here, as a timeout.
     """
-    names = [f"{_actor_name(a)}#{i}" for i, a in enumerate(actors)]
+    names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
     wait_all([a.__ray_ready__.remote() for a in actors], names, "start-up", START_TIMEOUT_S)
 
 
@@ -196,7 +196,7 @@ def call(actors: list, method: str, *args, per_rank: list | None = None, timeout
         getattr(a, method).remote(*(([per_rank[i]] if per_rank is not None else []) + list(args)))
         for i, a in enumerate(actors)
     ]
-    return wait_all(refs, [f"{_actor_name(a)}#{i}" for i, a in enumerate(actors)], method, timeout)
+    return wait_all(refs, [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)], method, timeout)
 
 
 def wait_all(refs: list, names: list[str], what: str, timeout: float | None = None) -> list:
@@ -231,7 +231,8 @@ def _get(ref, name: str, what: str):
         raise RunError(f"{name} failed in {what}: {_first_line(e.cause or e)}") from None
 
 
-def _actor_name(actor) -> str:
+def actor_name(actor) -> str:
+    """The class name of a Ray actor handle, e.g. "Trainer" or "AsyncEngine"."""
     return actor._ray_actor_creation_function_descriptor.class_name
 
 

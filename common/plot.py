@@ -35,7 +35,8 @@ def step_seconds(series: dict) -> dict[int, float]:
     return elapsed
 
 
-def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step") -> list[str]:
+def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step", keys: list[str] | None = None) -> list[str]:
+    """One PNG per metric group (train, eval, ...), or with `keys` one PNG (selected.png) of just those."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,15 +46,18 @@ def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step") -> list[str]:
     groups = defaultdict(set)
     for series in runs.values():
         for key in series:
-            groups[key.split("/")[0] if "/" in key else "other"].add(key)
+            if not keys:
+                groups[key.split("/")[0] if "/" in key else "other"].add(key)
+            elif key in keys:
+                groups["selected"].add(key)
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    for group, keys in sorted(groups.items()):
-        keys = sorted(keys)
-        cols = min(3, len(keys))
-        rows = (len(keys) + cols - 1) // cols
+    for group, names in sorted(groups.items()):
+        names = sorted(names, key=keys.index) if keys else sorted(names)
+        cols = min(3, len(names))
+        rows = (len(names) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
-        for ax, key in zip(axes.flat, keys):
+        for ax, key in zip(axes.flat, names):
             for name, series in runs.items():
                 if key in series:
                     steps, values = zip(*series[key])
@@ -64,11 +68,12 @@ def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step") -> list[str]:
             ax.set_title(key, fontsize=9)
             ax.set_xlabel("step" if x == "step" else "seconds of training steps", fontsize=8)
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(keys) :]:
+        for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
-        if len(runs) > 1:
-            axes.flat[0].legend(fontsize=7)
-        fig.tight_layout()
+        if len(runs) > 1:  # every run, whichever panels it has
+            lines = {line.get_label(): line for ax in axes.flat for line in ax.get_lines()}
+            fig.legend(list(lines.values()), list(lines), loc="lower center", ncol=len(lines), fontsize=8)
+        fig.tight_layout(rect=(0, 0.08 / rows if len(runs) > 1 else 0, 1, 1))
         path = os.path.join(out_dir, f"{group}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -81,9 +86,10 @@ if __name__ == "__main__":
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default=None, help="output folder (default: <first run>/plots)")
     parser.add_argument("--x", choices=["step", "time"], default="step", help="x axis: step, or seconds of steps")
+    parser.add_argument("--keys", nargs="+", help="only these metrics, in one figure (selected.png)")
     cli = parser.parse_args()
     for d in cli.run_dirs:
         if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
             raise SystemExit(f"error: {d} has no metrics.jsonl")
-    for path in plot_runs(cli.run_dirs, cli.out or os.path.join(cli.run_dirs[0], "plots"), cli.x):
+    for path in plot_runs(cli.run_dirs, cli.out or os.path.join(cli.run_dirs[0], "plots"), cli.x, cli.keys):
         print(path)

@@ -13,7 +13,8 @@ vLLM is imported lazily: this module loads in the driver too.
 
 import torch
 
-from common.placement import wait_all
+from common.checks import RunError
+from common.placement import actor_name, wait_all
 
 
 def choose_backend(use_gpu: bool, colocate: bool) -> str:
@@ -32,7 +33,10 @@ class EngineClient:
 
     def _all(self, method: str, per_engine: list | None = None):
         refs = [getattr(e, method).remote(*([per_engine[i]] if per_engine else [])) for i, e in enumerate(self.engines)]
-        return wait_all(refs, [f"Engine#{i}" for i in range(len(self.engines))], method, timeout=600)
+        try:
+            return wait_all(refs, [f"{actor_name(e)}#{i}" for i, e in enumerate(self.engines)], method, timeout=600)
+        except RunError as e:  # this runs in trainer rank 0: a plain exception reaches the driver, naming the engine
+            raise RuntimeError(str(e.code).removeprefix("error: ")) from None
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         infos = [dict(init_info) for _ in self.engines]

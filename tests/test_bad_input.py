@@ -1,4 +1,4 @@
-"""Bad input, by class, for all six scripts: one `error:` line naming the flag, file, row or function, raised
+"""Bad input, by class, for every script: one `error:` line naming the flag, file, row or function, raised
 before Ray starts (init_ray is replaced by a tripwire), and nothing written. In-process and without loading a
 model (the tokenizer and config only), so the whole file runs in well under a minute; a few subprocess runs
 check the real exit status and stderr."""
@@ -8,11 +8,13 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import tyro
-from conftest import run_script
+from conftest import REPO
 from safetensors.torch import save_file
 
 SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
@@ -388,11 +390,19 @@ def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
 # ---- a few real processes: the exit status and stderr as a user sees them ----
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_one_error_line_in_a_real_process(tmp_path, name):
+def test_one_error_line_in_a_real_process(tmp_path):
+    """Every script as a user runs it, started together (each spends seconds importing torch and vLLM)."""
     (tmp_path / "d.json").write_text("[{]")
-    result = run_script(f"{name}.py", "--dataset", str(tmp_path / "d.json"), "--output-dir", str(tmp_path / "runs"),
-                        timeout=120)  # fmt: skip
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 1 and len(errors) == 1 and "not valid JSON" in errors[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+    argv = ["--dataset", str(tmp_path / "d.json"), "--output-dir", str(tmp_path / "runs")]
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, f"{name}.py", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for name in SCRIPTS
+    }
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=180)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1 and "not valid JSON" in errors[0], (name, stderr[-2000:])
+        assert "Traceback" not in stderr, name
+    assert not (tmp_path / "runs").exists()

@@ -4,6 +4,7 @@ lag bound over real runs, faults, the diff against grpo.py, and an end-to-end ru
 import json
 import os
 import re
+import signal
 import time
 import uuid
 
@@ -11,7 +12,7 @@ import pytest
 import ray
 import torch
 from conftest import only_run_dir, read_jsonl, run_script, tagged_diff
-from test_faults import processes
+from test_faults import Run, processes
 from test_weight_sync import SyncTrainer
 
 import grpo_async
@@ -19,6 +20,7 @@ import sft
 from common.data import encode_prompt, pack
 from common.engines import AsyncEngine, spawn_engines
 from common.placement import Layout, call, init_ray, make_placement_group, rendezvous_address, spawn_trainers
+from common.weight_sync import EngineClient
 
 
 def trainer_logprobs(trainers, prompt, tokens):
@@ -72,10 +74,12 @@ def test_in_flight_update_inside_one_sequence(tiny_model, tokenizer):
         switch = kept["versions"].index(1)
         stale = (new_kept[switch:] - torch.tensor(kept["logprobs"][switch:])).abs()
         assert stale.max() > 1e-3, "keep_old_kv: the tokens after the update should see the old weights' KV"
-        # More prompt tokens at once than vLLM's default budget of one step (2048 for an async engine), seeded:
-        # a prefill split over two steps would rewind the seeded CPU generator, which crashes vLLM.
-        outs = ray.get(engines[0].generate.remote([list(range(5, 205))] * 12, 1, 1.0, 1.0, 4, list(range(12))))
-        assert [len(group[0]["token_ids"]) for group in outs] == [4] * 12
+        # More prompt tokens at once (96 requests x 45) than vLLM's default budget of one step for an async
+        # engine (2048): a prefill split over two steps rewinds its request's seeded generator, which a CPU
+        # generator cannot do (the engine died here before engine_args turned chunked prefill off on CPU).
+        groups = [[list(range(5 + 100 * g, 50 + 100 * g))] for g in range(12)]
+        outs = ray.get([engines[0].generate.remote(p, 8, 1.0, 1.0, 4, [1000 * g]) for g, p in enumerate(groups)])
+        assert [len(s["token_ids"]) for out in outs for s in out[0]] == [4] * 96
         ray.get([e.shutdown.remote() for e in engines])
     finally:
         ray.shutdown()
@@ -92,18 +96,24 @@ def test_diff_to_grpo_is_small_and_every_hunk_is_tagged():
 
 @ray.remote
 class StandInEngine:
-    """AsyncEngine's interface without vLLM: a group takes 0.05 s, or 1.2 s for every 5th seed (a straggler); its
-    tokens carry the version the engine held when the group started."""
+    """AsyncEngine's interface without vLLM: a group takes 0.05 s, or 0.8 s for every 5th seed (a straggler), or
+    after hold() an hour; its tokens carry the version the engine held when the group started."""
 
     def __init__(self):
-        self.version, self.cancelled, self.tokens = 0, 0, 0
+        self.version, self.cancelled, self.tokens, self.held = 0, 0, 0, False
+
+    async def hold(self):
+        self.held = True
+
+    async def start_weight_update(self):
+        pass
 
     async def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
         import asyncio
 
         version = self.version
         try:
-            await asyncio.sleep(1.2 if seeds[0] % 5 == 0 else 0.05)
+            await asyncio.sleep(3600 if self.held else 0.8 if seeds[0] % 5 == 0 else 0.05)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -127,7 +137,7 @@ def test_rollouts_keep_the_lag_bound_and_the_buffer_bounded(max_lag):
     and close() aborts the ones in flight."""
     init_ray(num_bundles=2)
     try:
-        args = grpo_async.Args(prompts_per_step=4, num_generations=2, max_lag=max_lag, seed=3)
+        args = grpo_async.Args(prompts_per_step=4, num_generations=2, max_lag=max_lag, seed=3, num_steps=20)
         engines = [StandInEngine.remote() for _ in range(2)]
         train = [grpo_async.Prompt([i], "1", "q", i + 1) for i in range(50)]
         rollouts = grpo_async.Rollouts(engines, train, 0, args)
@@ -137,7 +147,7 @@ def test_rollouts_keep_the_lag_bound_and_the_buffer_bounded(max_lag):
             batch, outs = rollouts.take(step)
             assert len(batch) == len(outs) == 4
             lags += [step - v for group in outs for s in group for v in s["versions"]]
-            time.sleep(0.2)  # "training"
+            time.sleep(0.1)  # "training"
             ray.get([e.set_version.remote(step + 1) for e in engines])  # the push
             rollouts.version = step + 1
             rollouts.fill()
@@ -147,26 +157,33 @@ def test_rollouts_keep_the_lag_bound_and_the_buffer_bounded(max_lag):
         else:
             assert rollouts.dropped > 0 and set(lags) == {0, 1}  # stragglers are dropped; the rest may lag by 1
         assert rollouts.sent == 8 * 4 + rollouts.dropped + len(rollouts.pending)
-        in_flight = len(rollouts.pending)
+        ray.get([e.hold.remote() for e in engines])  # from now on a group never finishes by itself
+        rollouts.version += 1
+        rollouts.fill()  # 4 more groups, in flight until close() aborts them
         rollouts.close()
         time.sleep(0.5)
         cancelled = sum(s["cancelled"] for s in ray.get([e.get_stats.remote() for e in engines]))
-        assert in_flight > 0 and cancelled > 0
+        assert cancelled >= 4
         last = grpo_async.Rollouts(engines, train, 5, grpo_async.Args(prompts_per_step=4, max_lag=3, num_steps=6))
         assert last.sent - 5 * 4 == 4  # nothing is sampled for steps after the last
         last.close()
+        # A dead engine in a weight update: trainer rank 0 reports it as a plain error that names the engine.
+        ray.kill(engines[1])
+        with pytest.raises(RuntimeError, match=r"^StandInEngine#1 died during start_weight_update"):
+            EngineClient(engines, tp=1).start_weight_update()
     finally:
         ray.shutdown()
 
 
 FLAGS = ("--num-generations", "4", "--prompts-per-step", "4", "--max-response-length", "16", "--engine-memory",
-         "0.25", "--eval-every", "2")  # fmt: skip
+         "0.25", "--eval-every", "4")  # fmt: skip
 
 
 def check_run(run_dir: str, steps: range, max_lag: int) -> list[dict]:
     """The metrics of `steps` are there and within the lag bound, recomputed from the engines' per-token versions
     logged with the samples (step s + 1's row holds tokens trained at step s)."""
     metrics = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "train/loss" in r]
+    metrics = [r for r in metrics if r["step"] in steps]
     assert [r["step"] for r in metrics] == list(steps)
     for key in ("rollout/lag_mean", "rollout/lag_max", "rollout/dropped_groups", "time/wait_rollouts",
                 "time/engine_idle", "time/engine_paused", "perf/generate_tokens_per_s", "perf/train_tokens_per_s"):  # fmt: skip
@@ -179,10 +196,12 @@ def check_run(run_dir: str, steps: range, max_lag: int) -> list[dict]:
     return metrics
 
 
-def test_end_to_end_run_then_resume_on_policy(tiny_model, tmp_path):
+def test_end_to_end_run_then_resume_on_policy_until_the_engine_dies(tiny_model, tmp_path):
     """4 real steps with a tiny model and --max-lag 1: the lag bound holds and the pipeline overlapped (some
-    trained tokens have lag 1); the final model and timeline are written. Then resume from step 2 with
-    --max-lag 0: steps 3-4 are trained on tokens of lag exactly 0, counted from the resumed step's weights."""
+    trained tokens have lag 1); the final model and timeline are written; no process outlives the run. Then
+    resume from step 2 with --max-lag 0: steps 3-4 are trained on tokens of lag exactly 0, counted from the
+    resumed step's weights. Then the engine is killed while it generates step 5's batch (with K = 0 it starts
+    right after step 4's push): the run ends within 60 s naming it, leaving no process behind."""
     flags = ("--model", tiny_model, "--output-dir", str(tmp_path), *FLAGS)
     marker = uuid.uuid4().hex  # every process of the run inherits it
     proc = run_script("grpo_async.py", *flags, "--num-steps", "4", "--save-every", "2", "--keep-old-kv",
@@ -195,19 +214,27 @@ def test_end_to_end_run_then_resume_on_policy(tiny_model, tmp_path):
     run_dir = only_run_dir(tmp_path)
     metrics = check_run(run_dir, range(1, 5), max_lag=1)
     assert max(r["rollout/lag_mean"] for r in metrics) > 0  # later steps train on groups sampled a step before
-    assert "eval/accuracy" in metrics[-1]
+    assert "eval/accuracy" in metrics[-1] and "eval/accuracy" not in metrics[1]
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "model.safetensors"))
     with open(os.path.join(run_dir, "timeline.json")) as f:
         timeline = json.load(f)
     assert len(timeline["steps"]) == 4 and any(what == "paused" for what, _, _ in timeline["engines"][0])
 
     step_2 = os.path.join(run_dir, "checkpoints", "step_2")
-    proc = run_script("grpo_async.py", *flags, "--num-steps", "4", "--resume", step_2, "--max-lag", "0")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Run(tiny_model, tmp_path, *FLAGS, "--num-steps", "50", "--resume", step_2, "--max-lag", "0",
+              script="grpo_async.py")  # fmt: skip
+    run.wait_for("step 4 ")
+    victims = processes(run.marker, "ray::AsyncEngine")
+    assert victims, "no ray::AsyncEngine process found"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    status, error = run.finish(within=60)  # also: no process of the run left
+    assert status == 1 and "AsyncEngine#0 died during" in error, error
     metrics = check_run(run_dir, range(1, 5), max_lag=1)  # rows 3-4 replaced by the resumed run's
     assert all(r["rollout/lag_max"] == 0 and r["rollout/dropped_groups"] == 0 for r in metrics[2:])
-    resumed = [s for s in read_jsonl(os.path.join(run_dir, "samples.jsonl"))][-8:]  # the last step's 2 groups
-    assert {v for s in resumed for v in s["versions"]} == {3}  # sampled by step 3's weights, trained at step 3
+    resumed = read_jsonl(os.path.join(run_dir, "samples.jsonl"))[4 * 8 :]  # after the first run's 4 steps x 8
+    for step in (3, 4):  # sampled by the weights of the step that trained them
+        assert {v for s in resumed if s["step"] == step for v in s["versions"]} == {step - 1}
 
 
 def test_plot_overlays_runs_against_wall_clock(tmp_path):
