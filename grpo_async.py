@@ -10,9 +10,9 @@ correcting for the lag. A token sampled by weights older than step - K is never 
 
 Run it:
     python grpo_async.py                                           # built-in model and arithmetic task, CPU
-    python grpo_async.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k:main \
+    python grpo_async.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k:main \\
         --eval-dataset openai/gsm8k:main --max-response-length 512 --prompts-per-step 64   # 2 GPUs: train | generate
-    python grpo_async.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main --num-trainers 4 \
+    python grpo_async.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main --num-trainers 4 \\
         --num-engines 4 --max-response-length 1024 --prompts-per-step 128 --max-lag 2   # 8 GPUs: 4 train, 4 generate
 """
 
