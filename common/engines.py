@@ -233,9 +233,6 @@ class AsyncEngine:
         self.intervals.append((what, start, end))
         self.stats[f"{what}_s"] += end - start
 
-    async def get_version(self) -> int:
-        return self.version
-
     async def get_stats(self) -> dict:
         """Running totals: tokens sampled, seconds with no request (waiting for work), seconds paused by updates."""
         idle = time.time() - self.idle_since if self.requests == 0 else 0.0

@@ -56,6 +56,13 @@ class Run:
             assert time.monotonic() < deadline, f"no {text!r} within {timeout} s"
         raise AssertionError(f"the run ended before printing {text!r}: {self.proc.stderr.read()[-3000:]}")
 
+    def kill(self, actor: str):
+        """SIGKILL the run's processes of Ray actor class `actor`."""
+        victims = processes(self.marker, f"ray::{actor}")
+        assert victims, f"no ray::{actor} process found"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+
     def finish(self, within: float) -> tuple[int, str]:
         """Wait for the exit (at most `within` s); its status and its `error:` line. Then no process may remain."""
         try:
@@ -73,29 +80,17 @@ class Run:
         return self.proc.returncode, errors[0]
 
 
-# A killed Trainer reaches the same `call` in grpo.py as in grpo_async.py: it is tested there, mid-step.
-@pytest.mark.parametrize("actor", ["Engine"])
-def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, actor):
-    run = Run(tiny_model, tmp_path, "--num-steps", "50")
-    run.wait_for("run dir:")  # everything is up; the first step starts
-    victims = processes(run.marker, f"ray::{actor}")
-    assert victims, f"no ray::{actor} process found"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    status, error = run.finish(within=60)
-    assert status == 1 and f"{actor}#0 died during" in error, error
-
-
-@pytest.mark.parametrize("actor", ["Trainer"])  # a killed AsyncEngine: test_grpo_async.py's end-to-end test
-def test_grpo_async_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, actor):
-    """grpo_async.py: a trainer dies in a step (step 2 starts at once: its batch was generated during step 1);
-    the engine-core processes of AsyncLLM must go too (finish checks)."""
-    run = Run(tiny_model, tmp_path, "--num-steps", "50", "--max-response-length", "48", script="grpo_async.py")
-    run.wait_for("step 1 ")
-    victims = processes(run.marker, f"ray::{actor}")
-    assert victims, f"no ray::{actor} process found"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
+# grpo.py: the engine dies once everything is up (the first step's generation). grpo_async.py: a trainer dies in
+# a step (step 2 starts at once: its batch was generated during step 1), and AsyncLLM's engine-core processes must
+# go too (finish checks). A killed Trainer reaches the same `call` in both scripts; a killed AsyncEngine is in
+# test_grpo_async.py's end-to-end test.
+@pytest.mark.parametrize(
+    "script,actor,after", [("grpo.py", "Engine", "run dir:"), ("grpo_async.py", "Trainer", "step 1 ")]
+)
+def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, actor, after):
+    run = Run(tiny_model, tmp_path, "--num-steps", "50", "--max-response-length", "48", script=script)
+    run.wait_for(after)
+    run.kill(actor)
     status, error = run.finish(within=60)
     assert status == 1 and f"{actor}#0 died during" in error, error
 

@@ -4,7 +4,6 @@ lag bound over real runs, faults, the diff against grpo.py, and an end-to-end ru
 import json
 import os
 import re
-import signal
 import time
 import uuid
 
@@ -224,10 +223,7 @@ def test_end_to_end_run_then_resume_on_policy_until_the_engine_dies(tiny_model, 
     run = Run(tiny_model, tmp_path, *FLAGS, "--num-steps", "50", "--resume", step_2, "--max-lag", "0",
               script="grpo_async.py")  # fmt: skip
     run.wait_for("step 4 ")
-    victims = processes(run.marker, "ray::AsyncEngine")
-    assert victims, "no ray::AsyncEngine process found"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
+    run.kill("AsyncEngine")
     status, error = run.finish(within=60)  # also: no process of the run left
     assert status == 1 and "AsyncEngine#0 died during" in error, error
     metrics = check_run(run_dir, range(1, 5), max_lag=1)  # rows 3-4 replaced by the resumed run's
