@@ -1,0 +1,120 @@
+"""The course labs keep working as the scripts change: every lab's solution.diff applies to its parent script and
+the result passes the lab's function checks; the unmodified parent fails them (a grader that cannot fail is no
+grader); the commands in a lab's README parse with the solved script; every lab has its files and is linked."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LABS_DIR = os.path.join(REPO, "labs")
+LABS = sorted(d for d in os.listdir(LABS_DIR) if re.fullmatch(r"\d\d-[a-z0-9-]+", d))
+
+# One process per lab (imports are most of the cost): the grader's function checks on the solved script, then
+# on the unmodified parent, then every `python my_x.py ...` command of the lab's README parsed by the solved
+# script's own Args and validate_args. Prints one JSON line.
+LAB_PROGRAM = """
+import contextlib, importlib.util, io, json, runpy, shlex, sys
+import tyro
+check, solved, parent, *commands = sys.argv[1:]
+
+def grade(script):
+    out, code = io.StringIO(), 0
+    sys.argv = [check, script, "--no-run"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(check, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue()
+
+spec = importlib.util.spec_from_file_location("solved_for_commands", solved)
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+parsed = []
+for line in commands:
+    try:
+        m.validate_args(tyro.cli(m.Args, args=shlex.split(line, comments=True)))
+        parsed.append("ok")
+    except BaseException as e:
+        parsed.append(f"{line}: {type(e).__name__} {e}")
+print(json.dumps({"solved": grade(solved), "parent": grade(parent), "commands": parsed}))
+"""
+
+
+def parent_of(lab: str) -> str:
+    with open(os.path.join(LABS_DIR, lab, "solution.diff")) as f:
+        return re.search(r"^--- a/(\S+)$", f.read(), re.M).group(1)
+
+
+def readme_commands(lab: str) -> list[str]:
+    """The flags of every `python my_<name>.py ...` command in the lab's README (continuation lines joined)."""
+    with open(os.path.join(LABS_DIR, lab, "README.md")) as f:
+        text = f.read().replace("\\\n", " ")
+    return [m.group(1).strip() for m in re.finditer(r"python my_\w+\.py([^\n`|]*)", text)]
+
+
+def test_every_lab_has_its_files_and_is_linked():
+    assert len(LABS) >= 7
+    with open(os.path.join(LABS_DIR, "README.md")) as f:
+        guide = f.read()
+    with open(os.path.join(REPO, "README.md")) as f:
+        assert "labs/README.md" in f.read()
+    for lab in LABS:
+        for name in ("README.md", "check.py", "solution.diff", "expected.png"):
+            assert os.path.isfile(os.path.join(LABS_DIR, lab, name)), f"{lab}/{name} is missing"
+        assert f"({lab}/README.md)" in guide, f"labs/README.md does not link {lab}"
+        with open(os.path.join(LABS_DIR, lab, "README.md")) as f:
+            text = f.read()
+        assert "expected.png" in text and "python -m common.plot" in text, f"{lab}: no command beside expected.png"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_solution_applies_passes_its_grader_and_the_parent_fails(lab, tmp_path):
+    parent = parent_of(lab)
+    diff = os.path.join(LABS_DIR, lab, "solution.diff")
+    shutil.copy(os.path.join(REPO, parent), tmp_path / parent)
+    subprocess.run(["git", "apply", "--check", diff], cwd=tmp_path, check=True)
+    subprocess.run(["git", "apply", diff], cwd=tmp_path, check=True)
+    commands = readme_commands(lab)
+    check = os.path.join(LABS_DIR, lab, "check.py")
+    program = [sys.executable, "-c", LAB_PROGRAM, check, str(tmp_path / parent), os.path.join(REPO, parent)]
+    proc = subprocess.run([*program, *commands], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (code, out), (parent_code, parent_out) = result["solved"], result["parent"]
+    assert code == 0 and re.search(r"all \d+ checks passed", out), f"solution of {lab}:\n{out}"
+    failed_check = re.search(r"^FAIL  (?!importing)", parent_out, re.M)  # a check failed, not the import
+    assert parent_code == 1 and failed_check, f"the grader of {lab} passes the unmodified {parent}:\n{parent_out}"
+    assert commands, f"{lab}/README.md has no `python my_...py` command"
+    assert result["commands"] == ["ok"] * len(commands), f"{lab}/README.md: {result['commands']}"
+
+
+@pytest.mark.parametrize("diffs, passes", [([0.002, 0.08, 0.003, 0.09], True), ([0.002, 0.004, 0.003, 0.005], False)])
+def test_a_run_check_reads_the_run_and_can_fail(tmp_path, diffs, passes):
+    """Lab 06's run part on a made-up run dir: the stale steps' logprob gap must be 10x the fresh ones'."""
+    lab, parent = "06-weight-sync", "grpo.py"
+    shutil.copy(os.path.join(REPO, parent), tmp_path / parent)
+    subprocess.run(["git", "apply", os.path.join(LABS_DIR, lab, "solution.diff")], cwd=tmp_path, check=True)
+    run_dir = tmp_path / "runs" / "sync_every_2__1__0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"script": parent, "args": {"sync_every": 2}}))
+    tis = [1.0, 1.02, 1.0, 0.97]
+    rows = [
+        {"step": s + 1, "train/logprob_diff_mean": d, "train/tis_weight": w} for s, (d, w) in enumerate(zip(diffs, tis))
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    check = os.path.join(LABS_DIR, lab, "check.py")
+    out = subprocess.run(
+        [sys.executable, check, str(tmp_path / parent), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert (out.returncode == 0) == passes, out.stdout + out.stderr
+    assert ("FAIL  steps sampled from stale weights" in out.stdout) == (not passes), out.stdout
