@@ -33,11 +33,17 @@ def grade(script):
             code = e.code if isinstance(e.code, int) else 1
     return code, out.getvalue()
 
-spec = importlib.util.spec_from_file_location("solved_for_commands", solved)
-m = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(m)
+def load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+scripts = {"my": load(solved, "solved_for_commands"), "parent": load(parent, "parent_for_commands")}
 parsed = []
 for line in commands:
+    which, line = line.split(":", 1)
+    m = scripts[which]
     try:
         m.validate_args(tyro.cli(m.Args, args=shlex.split(line, comments=True)))
         parsed.append("ok")
@@ -52,11 +58,13 @@ def parent_of(lab: str) -> str:
         return re.search(r"^--- a/(\S+)$", f.read(), re.M).group(1)
 
 
-def readme_commands(lab: str) -> list[str]:
-    """The flags of every `python my_<name>.py ...` command in the lab's README (continuation lines joined)."""
+def readme_commands(lab: str, parent: str) -> list[str]:
+    """Every `python my_<name>.py ...` ("my:flags") and `python <parent> ...` ("parent:flags") command in the
+    lab's README, continuation lines joined."""
     with open(os.path.join(LABS_DIR, lab, "README.md")) as f:
         text = f.read().replace("\\\n", " ")
-    return [m.group(1).strip() for m in re.finditer(r"python my_\w+\.py([^\n`|]*)", text)]
+    pattern = r"python (my_\w+\.py|" + re.escape(parent) + r")([^\n`|]*)"
+    return [("my:" if m.group(1).startswith("my_") else "parent:") + m.group(2) for m in re.finditer(pattern, text)]
 
 
 def test_every_lab_has_its_files_and_is_linked():
@@ -81,7 +89,7 @@ def test_solution_applies_passes_its_grader_and_the_parent_fails(lab, tmp_path):
     shutil.copy(os.path.join(REPO, parent), tmp_path / parent)
     subprocess.run(["git", "apply", "--check", diff], cwd=tmp_path, check=True)
     subprocess.run(["git", "apply", diff], cwd=tmp_path, check=True)
-    commands = readme_commands(lab)
+    commands = readme_commands(lab, parent)
     check = os.path.join(LABS_DIR, lab, "check.py")
     program = [sys.executable, "-c", LAB_PROGRAM, check, str(tmp_path / parent), os.path.join(REPO, parent)]
     proc = subprocess.run([*program, *commands], cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -91,7 +99,7 @@ def test_solution_applies_passes_its_grader_and_the_parent_fails(lab, tmp_path):
     assert code == 0 and re.search(r"all \d+ checks passed", out), f"solution of {lab}:\n{out}"
     failed_check = re.search(r"^FAIL  (?!importing)", parent_out, re.M)  # a check failed, not the import
     assert parent_code == 1 and failed_check, f"the grader of {lab} passes the unmodified {parent}:\n{parent_out}"
-    assert commands, f"{lab}/README.md has no `python my_...py` command"
+    assert any(c.startswith("my:") for c in commands), f"{lab}/README.md has no `python my_...py` command"
     assert result["commands"] == ["ok"] * len(commands), f"{lab}/README.md: {result['commands']}"
 
 

@@ -30,6 +30,14 @@ with g.check(
     expect(torch.isfinite(loss).all() and close(loss, [400.0], 1e-3), f"loss {rounded(loss)} for β h = -400")
 
 with g.check(
+    "compute_dpo_loss(..., label_smoothing=ε) is cDPO's -(1 - ε) log σ(β h) - ε log σ(-β h)",
+    hint="cDPO treats each label as flipped with probability ε: a mixture of the loss of the pair and of its flip",
+):
+    loss = m.compute_dpo_loss(h, torch.zeros(3), beta=0.1, label_smoothing=0.1)
+    want = [0.9 * math.log1p(math.exp(-b)) + 0.1 * math.log1p(math.exp(b)) for b in (0.2, 0.1, -0.3)]
+    expect(close(loss, want), f"losses {rounded(loss)} for h = [2, 1, -3], β = 0.1, ε = 0.1")
+
+with g.check(
     "compute_dpo_loss(..., ipo=True) is IPO's (h - 1/(2β))² (Azar et al. eq. 17)",
     hint="IPO regresses the gap h to a target margin set by β instead of pushing it to infinity",
 ):

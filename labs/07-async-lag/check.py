@@ -21,7 +21,7 @@ with g.check(
     group = [[3, 3, 4], [4, 4], [5]]
     got = [m.is_stale(group, step, k) for step, k in ((4, 0), (4, 1), (5, 1), (5, 2), (6, 2), (6, 3))]
     expect(got == [True, False, True, False, True, False], f"{got} for steps/K (4,0) (4,1) (5,1) (5,2) (6,2) (6,3)")
-    expect(m.is_stale([[7], [7, 7]], 7, 0) is False, "a group of the current version is stale with K = 0")
+    expect(not m.is_stale([[7], [7, 7]], 7, 0), "a group of the current version is stale with K = 0")
 
 with g.check(
     "lag_shares(lags, K): the share of the tokens at each lag 0..K",
