@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -121,7 +122,7 @@ class Grader:
             sys.exit(f"FAIL  no --run-dir is a run of {' or '.join(sorted(scripts))} with {required}")
         out = tempfile.mkdtemp(prefix=f"lab{self.lab}_")
         cmd = [sys.executable, self.script, *flags, "--output-dir", out]
-        print(f"\nrunning: python {os.path.relpath(self.script)} {' '.join(flags)}  (a few minutes on a laptop)")
+        print(f"\nrunning: python {os.path.relpath(self.script)} {shlex.join(flags)}  (a few minutes on a laptop)")
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             print("\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
