@@ -43,7 +43,7 @@ if g.needs_run():
         expect(stale > 10 * fresh, f"train/logprob_diff_mean per step {[round(x, 5) for x in diff]}")
     with g.check(
         "the TIS weights move away from 1 on the stale steps",
-        hint="train/tis_weight is the mean of min(π_θold / π_vllm, C): it is ~1 only when the engine is in sync",
+        hint="train/tis_weight is the mean of min(π_θold / π_vllm, C): 1 to float precision only when the engine is in sync",
     ):
         fresh, stale = max(abs(tis[0] - 1), abs(tis[2] - 1)), min(abs(tis[1] - 1), abs(tis[3] - 1))
         expect(stale > fresh, f"train/tis_weight per step {[round(x, 4) for x in tis]}")
