@@ -33,6 +33,7 @@ import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common import lm_head, memory
 from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import (
     InputError,
@@ -43,6 +44,7 @@ from common.data import (
     split_for_ranks,
     validate_rows,
 )
+from common.lm_head import token_logprobs
 from common.model import (
     BUILTIN_MODEL,
     attn_implementation,
@@ -55,7 +57,7 @@ from common.model import (
 from common.placement import (
     Layout,
     call,
-    check_devices,
+    choose_layout,
     init_distributed,
     init_ray,
     make_placement_group,
@@ -150,6 +152,7 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
+    lm_head.install(model)  # the LM head computes the log-probabilities of given tokens by chunks (compute_logprobs)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
@@ -161,15 +164,17 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
 
 
 def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
-    """log π(label_t | tokens ≤ t) / temperature-scaled, for every position t where mask is 1.
+    """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
+        log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
-    positions go through the LM head, which saves the (T, vocab) logits of prompt tokens. Returns (N,).
+    positions go through the LM head, a chunk of them at a time (common/lm_head.py): the (N, vocab) logits never
+    exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    logits = out.logits[0].float() / temperature  # (N, V)
-    return -F.cross_entropy(logits, labels[0, keep], reduction="none")  # (N,)
+    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t), not logits
+        out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    return out.logits  # (N,)
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -388,7 +393,7 @@ def main(args: Args):
     else:
         check_output_dir(args.output_dir)
     check_tracking(args.track)
-    use_gpu = check_devices(args.num_trainers)
+    use_gpu = choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are (enough)
     datasets = {"train": load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
         datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
@@ -401,6 +406,7 @@ def main(args: Args):
         validate_rows(accuracy_rows, ["prompt", "answer"], source, numeric=("answer",))
     model_path = resolve_model(args.model)
     check_weights(model_path, "model")
+    memory.check_run(args, use_gpu, model_path, reference=True)  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     # ---- tokenize: prompt + chosen and prompt + rejected per row; count pairs that are too long ----

@@ -27,14 +27,15 @@ from typing import NamedTuple
 
 import ray
 import torch
-import torch.nn.functional as F
 import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common import lm_head, memory
 from common.checks import call_reward, check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
 from common.engines import generate, spawn_engines
+from common.lm_head import token_logprobs
 from common.model import (
     BUILTIN_MODEL,
     attn_implementation,
@@ -47,7 +48,7 @@ from common.model import (
 from common.placement import (
     Layout,
     call,
-    check_devices,
+    choose_layout,
     init_distributed,
     init_ray,
     make_placement_group,
@@ -56,7 +57,7 @@ from common.placement import (
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 from common.tracking import Run, check_resume
-from common.weight_sync import choose_backend, init_weight_sync
+from common.weight_sync import choose_backend, init_weight_sync, sync_weights
 
 
 @dataclass
@@ -164,6 +165,7 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
+    lm_head.install(model)  # the LM head computes the log-probabilities of given tokens by chunks (compute_logprobs)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
@@ -175,15 +177,17 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
 
 
 def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
-    """log π(label_t | tokens ≤ t) / temperature-scaled, for every position t where mask is 1.
+    """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
+        log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
-    positions go through the LM head, which saves the (T, vocab) logits of prompt tokens. Returns (N,).
+    positions go through the LM head, a chunk of them at a time (common/lm_head.py): the (N, vocab) logits never
+    exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    logits = out.logits[0].float() / temperature  # (N, V)
-    return -F.cross_entropy(logits, labels[0, keep], reduction="none")  # (N,)
+    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t), not logits
+        out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    return out.logits  # (N,)
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -321,13 +325,16 @@ class Trainer:
         )
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines' dtype
         self.weight_sync = init_weight_sync(
-            self.model, engines, backend, self.rank, addr, port, self.args.engine_tp, dtype
+            self.model, self.tokenizer, engines, backend, self.rank, (addr, port), self.args.engine_tp, dtype
         )
 
     def push_weights(self):
         self.weight_sync.push()
+
+    def check_weights(self):
+        self.weight_sync.check()  # the engines serve what was pushed, or an error names the one that does not
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
         """num_epochs passes, one optimizer step per minibatch of micro-batches. Returns sums for the driver."""
@@ -508,9 +515,10 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     if not args.resume:
         check_output_dir(args.output_dir)
     check_tracking(args.track)
-    use_gpu = check_devices(args.num_trainers + (0 if args.colocate else args.num_engines * args.engine_tp))
-    if args.colocate and not use_gpu:
-        raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
+    pairs = args.engine_tp == 1 and args.num_engines == args.num_trainers  # engine i may share rank i's GPU
+    use_gpu, args.colocate = choose_layout(  # one GPU: colocated (it prints the layout)
+        args.num_trainers + args.num_engines * args.engine_tp, args.num_trainers if pairs else None, args.colocate
+    )
     if use_gpu and (args.engine_memory or 0) > 1:
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     return use_gpu, resume
@@ -553,6 +561,7 @@ def main(args: Args):
     call_reward(reward_function, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
     model_path = resolve_model(args.model)
     check_weights(model_path, "model")
+    memory.check_run(args, use_gpu, model_path, reference=args.kl_coef > 0)  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {split: encode_prompts(rows, source, tokenizer, args) for split, (rows, source) in datasets.items()}
 
@@ -616,11 +625,7 @@ def main(args: Args):
         results = call(trainers, "train_step", step, per_rank=plan_minibatches(sequences, step, args))
         t_train = time.time()
 
-        if args.colocate:
-            call(engines, "wake_up", ["weights"])
-        call(trainers, "push_weights")
-        if args.colocate:
-            call(engines, "wake_up", ["kv_cache"])
+        sync_weights(trainers, engines, args.colocate)  # wake (colocated), push, check: common/weight_sync.py
         t_sync = time.time()
 
         # ---- log ----

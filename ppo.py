@@ -31,11 +31,11 @@ from typing import NamedTuple
 
 import ray
 import torch
-import torch.nn.functional as F
 import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from common import lm_head, memory
 from common.checks import (
     call_reward,
     check_checkpoint,
@@ -54,6 +54,8 @@ from common.data import (
     validate_rows,
 )
 from common.engines import generate, spawn_engines
+from common.lm_head import token_logprobs
+from common.memory import to_device, to_host
 from common.model import (
     BUILTIN_MODEL,
     attn_implementation,
@@ -66,7 +68,7 @@ from common.model import (
 from common.placement import (
     Layout,
     call,
-    check_devices,
+    choose_layout,
     init_distributed,
     init_ray,
     make_placement_group,
@@ -77,7 +79,7 @@ from common.placement import (
 )
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run, check_resume
-from common.weight_sync import choose_backend, init_weight_sync
+from common.weight_sync import choose_backend, init_weight_sync, sync_weights
 
 
 @dataclass
@@ -201,6 +203,7 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
+    lm_head.install(model)  # the LM head computes the log-probabilities of given tokens by chunks (compute_logprobs)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
@@ -212,15 +215,17 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
 
 
 def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
-    """log π(label_t | tokens ≤ t) / temperature-scaled, for every position t where mask is 1.
+    """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
+        log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
-    positions go through the LM head, which saves the (T, vocab) logits of prompt tokens. Returns (N,).
+    positions go through the LM head, a chunk of them at a time (common/lm_head.py): the (N, vocab) logits never
+    exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    logits = out.logits[0].float() / temperature  # (N, V)
-    return -F.cross_entropy(logits, labels[0, keep], reduction="none")  # (N,)
+    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t), not logits
+        out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    return out.logits  # (N,)
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -467,13 +472,16 @@ class Trainer(ShardedModel):
         )
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines' dtype
         self.weight_sync = init_weight_sync(
-            self.model, engines, backend, self.rank, addr, port, self.args.engine_tp, dtype
+            self.model, self.tokenizer, engines, backend, self.rank, (addr, port), self.args.engine_tp, dtype
         )
 
     def push_weights(self):
         self.weight_sync.push()
+
+    def check_weights(self):
+        self.weight_sync.check()  # the engines serve what was pushed, or an error names the one that does not
 
     @torch.no_grad()
     def forward(self, minibatches: list[list[dict]]) -> list[dict]:
@@ -534,8 +542,8 @@ class Trainer(ShardedModel):
 # TRY NOT TO MODIFY: the critic actor (one per rank), a separate FSDP2 group with its own optimizer.
 @ray.remote
 class Critic(ShardedModel):
-    def __init__(self, args: Args, model_path: str, rank: int, world_size: int, addr: str, port: int):
-        self.args, self.rank, self.world_size = args, rank, world_size
+    def __init__(self, args: Args, model_path: str, offload: bool, rank: int, world_size: int, addr: str, port: int):
+        self.args, self.rank, self.world_size, self.offload = args, rank, world_size, offload
         self.device = init_distributed(rank, world_size, addr, port)
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -546,10 +554,18 @@ class Critic(ShardedModel):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
         )
+        self.on_gpu(False)
+
+    def on_gpu(self, needed: bool):
+        """Hybrid engine short of memory (the memory plan decides, common/memory.py): the critic waits in host RAM
+        while vLLM generates and the policy trains."""
+        if self.offload:
+            to_device(self.model, self.optimizer, self.device) if needed else to_host(self.model, self.optimizer)
 
     @torch.no_grad()
     def forward(self, minibatches: list[list[dict]]) -> list[dict]:
         """V_old of every response token this rank holds, with its (sequence, index), for GAE in the driver."""
+        self.on_gpu(True)
         self.model.eval()
         out = []
         for mb in [mb for mini in minibatches for mb in mini]:
@@ -558,11 +574,13 @@ class Critic(ShardedModel):
             if mb["loss_scale"].item():
                 m = mb["loss_mask"][0].bool()
                 out.append({"seq_id": mb["seq_id"][0, m].cpu(), "tok": mb["tok"][0, m].cpu(), "values": values.cpu()})
+        self.on_gpu(False)
         return out
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
         """Regress V_φ on the GAE returns, the same minibatches and epochs as the policy. Returns sums."""
         args, stats = self.args, defaultdict(float)
+        self.on_gpu(True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.critic_learning_rate)
         minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]  # SP: each token on one rank
@@ -590,22 +608,28 @@ class Critic(ShardedModel):
                 stats["critic_grad_norm_sum"] += grad_norm.item()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        self.on_gpu(False)
+        if self.args.colocate:  # hand the cached activation memory back: the colocated engine wakes up next
+            torch.cuda.empty_cache()
         return dict(stats)
 
 
 # TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's scalar head read at the last real token).
 @ray.remote
 class RewardModel:
-    def __init__(self, path: str):
+    def __init__(self, path: str, offload: bool):
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         torch.set_num_threads(os.cpu_count() or 1)  # Ray gives a num_cpus=1 actor one thread
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
-        self.model = self.model.to(self.device).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).eval()
+        self.offload = offload  # hybrid engine short of memory: on the GPU only while it scores (common/memory.py)
+        self.model.to("cpu" if offload else self.device)
 
     @torch.no_grad()
     def rewards(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:
         """r(x, y) for each prompt + response token list: right-padded batches, the head at the last real token."""
+        if self.offload:
+            to_device(self.model, None, self.device)
         out = []
         for i in range(0, len(sequences), batch_size):
             chunk = sequences[i : i + batch_size]
@@ -615,13 +639,16 @@ class RewardModel:
             hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (b, T, H)
             last = hidden[torch.arange(len(chunk), device=self.device), mask.sum(dim=1) - 1]  # (b, H)
             out += self.model.score(last)[:, 0].float().tolist()  # `score`: the classification head's name in HF
+        if self.offload:
+            to_host(self.model)
         return out
 
 
 def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args, parallel: bool) -> tuple:
     """Call `method` on the policy group and the critic group, each rank with its share.
 
-    On GPU the groups hold different GPUs and run side by side; on CPU they share the cores, one after the other.
+    On GPUs of their own the groups run side by side; sharing GPUs (the hybrid engine) or CPU cores, one after
+    the other.
     """
     if not parallel:
         return call(trainers, method, *args, per_rank=shares[0]), call(critics, method, *args, per_rank=shares[1])
@@ -673,9 +700,10 @@ def validate_args(args: Args) -> None:
         raise InputError(
             "--prompts-per-step x --samples-per-prompt must divide into --num-minibatches x data-parallel groups"
         )
-    if args.colocate and (args.engine_tp != 1 or args.num_engines != args.num_trainers):
+    if args.colocate and (args.engine_tp != 1 or not args.num_engines == args.num_critics == args.num_trainers):
         raise InputError(
-            "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and --num-engines = --num-trainers"
+            "--colocate puts policy rank i, critic rank i and engine i on GPU i: use --engine-tp 1 and "
+            "--num-engines = --num-critics = --num-trainers"
         )
     longest = args.max_prompt_length + args.max_response_length
     if args.max_tokens_per_micro_batch is None:
@@ -694,10 +722,12 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     else:
         check_output_dir(args.output_dir)
     check_tracking(args.track)
-    gpus = args.num_trainers + args.num_critics + int(args.reward_model is not None)
-    use_gpu = check_devices(gpus + (0 if args.colocate else args.num_engines * args.engine_tp))
-    if args.colocate and not use_gpu:
-        raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
+    split = (
+        args.num_trainers + args.num_critics + int(args.reward_model is not None) + args.num_engines * args.engine_tp
+    )
+    # Hybrid engine: policy rank i, critic rank i and engine i share GPU i (the reward model GPU 0)
+    pairs = args.engine_tp == 1 and args.num_engines == args.num_critics == args.num_trainers
+    use_gpu, args.colocate = choose_layout(split, args.num_trainers if pairs else None, args.colocate)  # prints it
     if use_gpu and (args.engine_memory or 0) > 1:
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     return use_gpu, resume
@@ -738,10 +768,11 @@ def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list
     return prompts
 
 
-def start_actors(args: Args, use_gpu: bool, paths: dict) -> tuple:
+def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple:
     """Start Ray; place and start the policy trainers, the critics, the reward model (if any) and the engines
     (common/placement.py's Layout); connect trainers and engines for the weight sync. `paths`: where each
-    loads from (on --resume the checkpoint, except π_ref: always the start model)."""
+    loads from (on --resume the checkpoint, except π_ref: always the start model). `offload`: the critic and the
+    reward model wait in host RAM when idle (colocated on too little memory: the memory plan's decision)."""
     use_reward_model = args.reward_model is not None
     layout = Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate, args.num_critics, use_reward_model
@@ -749,10 +780,10 @@ def start_actors(args: Args, use_gpu: bool, paths: dict) -> tuple:
     init_ray(len(layout.bundles))
     pg = make_placement_group(layout.bundles, use_gpu)
     trainers = spawn_trainers(Trainer, pg, layout.trainers, args, paths["policy"], paths["reference"])
-    critics = spawn_trainers(Critic, pg, layout.critics, args, paths["critic"])
+    critics = spawn_trainers(Critic, pg, layout.critics, args, paths["critic"], offload)
     reward_model = None
     if use_reward_model:
-        reward_model = RewardModel.options(**layout.reward_model.options(pg)).remote(paths["reward_model"])
+        reward_model = RewardModel.options(**layout.reward_model.options(pg)).remote(paths["reward_model"], offload)
         wait_started([reward_model])
     backend = choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
@@ -812,6 +843,7 @@ def main(args: Args):
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
     reward_function = load_function(args.reward_fn) if args.reward_fn else reward_fn
     datasets = read_prompt_rows(args)
+    reward_model_path = None
     if args.reward_model is not None:
         reward_model_path = resolve_model(args.reward_model)
         check_weights(reward_model_path, "--reward-model")
@@ -824,14 +856,17 @@ def main(args: Args):
     check_weights(model_path, "model")
     critic_path = resolve_model(args.critic_model) if args.critic_model else model_path
     check_weights(critic_path, "--critic-model")
+    offload = memory.check_run(  # a run that cannot fit stops here; colocated, it may park the critic in host RAM
+        args, use_gpu, model_path, reference=True, critic=critic_path, reward_model=reward_model_path
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {split: encode_prompts(rows, source, tokenizer, args) for split, (rows, source) in datasets.items()}
 
     # ---- start Ray; place policy trainers, critics, engines and the reward model; connect weight sync ----
     paths = {"policy": resume_ckpt or model_path, "reference": model_path}
     paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
-    paths["reward_model"] = reward_model_path if args.reward_model else None
-    trainers, critics, reward_model, engines = start_actors(args, use_gpu, paths)
+    paths["reward_model"] = reward_model_path
+    trainers, critics, reward_model, engines = start_actors(args, use_gpu, paths, offload)
     kl_coef = args.kl_coef
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
@@ -885,7 +920,8 @@ def main(args: Args):
         # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then rewards, GAE, whitening
         lengths = [len(s["token_ids"]) for s in responses]
         shares = plan_minibatches(batch, responses, step, args)  # the same micro-batches for forward and training
-        policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=use_gpu)
+        apart = use_gpu and not args.colocate  # on GPUs of their own the two groups run side by side
+        policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=apart)
         logprobs, ref_logprobs = (
             to_padded(policy_out, "logprobs", lengths),
             to_padded(policy_out, "ref_logprobs", lengths),
@@ -898,14 +934,10 @@ def main(args: Args):
         fill_token_values(shares, advantages=advantages, returns=returns, old_logprobs=logprobs, old_values=values)
         t_fwd = time.time()
 
-        policy_results, critic_results = call_groups(trainers, critics, "train_step", shares, step, parallel=use_gpu)
+        policy_results, critic_results = call_groups(trainers, critics, "train_step", shares, step, parallel=apart)
         t_train = time.time()
 
-        if args.colocate:
-            call(engines, "wake_up", ["weights"])
-        call(trainers, "push_weights")
-        if args.colocate:
-            call(engines, "wake_up", ["kv_cache"])
+        sync_weights(trainers, engines, args.colocate)  # wake (colocated), push, check: common/weight_sync.py
         t_sync = time.time()
 
         # ALGO LOGIC: adapt β toward the target KL per response (Ziegler et al. 2019)

@@ -30,6 +30,7 @@ import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from common import memory
 from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, check_pairs, encode_example, load_rows, split_for_ranks, validate_rows
 from common.model import (
@@ -44,7 +45,7 @@ from common.model import (
 from common.placement import (
     Layout,
     call,
-    check_devices,
+    choose_layout,
     init_distributed,
     init_ray,
     make_placement_group,
@@ -326,7 +327,7 @@ def main(args: Args):
     else:
         check_output_dir(args.output_dir)
     check_tracking(args.track)
-    use_gpu = check_devices(args.num_trainers)
+    use_gpu = choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are (enough)
     datasets = {"train": load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
         datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
@@ -339,6 +340,7 @@ def main(args: Args):
                 raise InputError(f"{source}: row {i} column 'margin' must be a number >= 0 (got {m!r})")
     model_path = resolve_model(args.model)
     check_weights(model_path, "model")
+    memory.check_run(args, use_gpu, model_path, reference=False, head="score")  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     # ---- tokenize: prompt + chosen and prompt + rejected per row; count pairs that are too long ----

@@ -9,16 +9,21 @@ CPU notes (measured, see docs): the in-process engine avoids shared-memory queue
 would fight the co-located trainers; CUDA graphs and torch.compile cost a minute of start-up for little gain.
 """
 
+import logging
 import os
 import random
-import time
-import uuid
 
 import ray
 
 from common.placement import Slot, wait_all, wait_started
 
-QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore::FutureWarning", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# vLLM's warnings reach the terminal (a setting it overrode, a kernel it fell back from), less the KnownWarnings;
+# its info lines do not. To see them: VLLM_LOGGING_CONFIG_PATH= VLLM_LOGGING_LEVEL=INFO python grpo.py ...
+QUIET = {
+    "VLLM_LOGGING_CONFIG_PATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_logging.json"),
+    "PYTHONWARNINGS": "ignore::FutureWarning",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+}
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the actor's process: fast start, no /dev/shm
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores that the trainer ranks also use
@@ -26,6 +31,27 @@ CPU_ENV = {
     **QUIET,
 }
 GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET}
+
+
+class KnownWarnings(logging.Filter):
+    """vLLM warnings that say nothing to a user of these scripts, dropped from the engines' output (vLLM's logging
+    config, common/vllm_logging.json, applies this filter): settings made on purpose here (a seeded engine, eager
+    mode and whole prefills on CPU), CPU performance hints, and the layer-reload warning that gloo_transfer.Whole
+    makes precise (it names the missing weight and fails the update)."""
+
+    TEXTS = (
+        "Failed to load weights", "The global random seed is set", "does not officially support disabling chunked",
+        "Enforce eager set", "Inductor compilation was disabled", "Triton is not installed", "Model Runner V2 requires",
+        "libtcmalloc is not found", "libiomp is not found", "leaving Torch threads", "torch.set_num_threads` after",
+        "Reset SSM cache type",
+    )  # fmt: skip
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.TEXTS)
+
+
+# The engine side of each weight-sync backend (common/weight_sync.py): every update checked whole (gloo_transfer.py)
+ENGINE_BACKENDS = {"gloo": "checked-gloo", "nccl": "checked-nccl", "ipc": "checked-ipc"}
 
 
 def engine_args(model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, on_gpu: bool):
@@ -49,7 +75,7 @@ def engine_args(model_path: str, seed: int, backend: str, tp: int, max_model_len
         enforce_eager=not on_gpu,
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
-        weight_transfer_config=WeightTransferConfig(backend=backend),
+        weight_transfer_config=WeightTransferConfig(backend=ENGINE_BACKENDS[backend]),
         # Imported in every worker process; registers the CPU "gloo" weight-transfer backend with vLLM.
         worker_extension_cls="common.gloo_transfer.WorkerExtension",
         **({"gpu_memory_utilization": memory} if on_gpu else cpu),
@@ -119,6 +145,15 @@ class Engine:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update (requests running?)")
         self.version = version
 
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log p(token_i | tokens < i) of every token after the first, under the current weights (the weight
+        check after each update: common/weight_sync.py). Greedy: no draw from the engine's random generator."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
+        return [lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
     def sleep(self):
         """Free the GPU for training. CUDA only. Level 2 drops the weights too, instead of copying them to host
         RAM and back (level 1): the trainer sends every weight before the engine runs again."""
@@ -129,121 +164,6 @@ class Engine:
 
     def get_version(self) -> int:
         return self.version
-
-
-@ray.remote
-class AsyncEngine:
-    """An engine that never stops: vLLM's AsyncLLM, for grpo_async.py. Requests stream in and out while new
-    weights arrive between two decoding steps (PipelineRL's in-flight weight update).
-
-    Engine's constructor and methods, all async: Ray runs them concurrently, so a weight update is served while
-    `generate` calls are in flight. AsyncLLM always runs vLLM's engine core in a child process of the actor.
-
-    An update pauses the scheduler between two steps, keeping the running requests (`mode="keep"`); the layers
-    are reloaded in place, so decoding them mid-update would fail. Then, by default (`keep_old_kv` False), every
-    running request is preempted and its prompt + tokens so far are prefilled again with the new weights: the
-    tokens after the update are sampled by exactly the new policy (what the trainer can recompute). With
-    `keep_old_kv` (PipelineRL), the KV cache computed by the old weights is kept: no re-prefill, but the new
-    tokens attend to old-weight keys and values. Prompts carry `cache_salt` = the version, so no request reuses
-    prefix-cache blocks of an older version in either mode.
-    """
-
-    def __init__(
-        self, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, sleep_mode: bool,
-        keep_old_kv: bool = False,
-    ):  # fmt: skip
-        import torch
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        on_gpu = torch.cuda.is_available()
-        if not on_gpu:
-            torch.set_num_threads(os.cpu_count() or 1)
-        assert not sleep_mode, "AsyncEngine never sleeps: it generates while the trainers train"
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu)
-        # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output handler joins.
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
-        self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
-        self.stats = {"tokens": 0, "idle_s": 0.0, "paused_s": 0.0}  # running totals, read by `get_stats`
-        self.intervals = []  # (what, start, end) in wall-clock seconds: "idle" (no request) and "paused" (update)
-        self.idle_since, self.paused_at = time.time(), None
-
-    async def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
-                       seeds: list[int] | None = None) -> list:  # fmt: skip
-        """As Engine.generate, and each sample also has `versions`: the weight version of every token."""
-        import asyncio
-
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        async def one(prompt: list[int], seed: int | None) -> dict:
-            params = SamplingParams(n=1, seed=seed, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                    logprobs=0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
-            request = {"prompt_token_ids": prompt, "cache_salt": f"v{self.version}"}
-            token_ids, logprobs = [], []
-            async for out in self.llm.generate(request, params, uuid.uuid4().hex):  # the new tokens of each step
-                c = out.outputs[0]
-                token_ids += c.token_ids
-                logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-                self.stats["tokens"] += len(c.token_ids)
-            versions = [0] * len(token_ids)
-            for span in c.weight_versions or []:  # tokens [start, end) were sampled by `version`; "default" is 0
-                versions[span.start : span.end] = [int(span.version.replace("default", "0"))] * (span.end - span.start)
-            return dict(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason, versions=versions)
-
-        if self.requests == 0:  # the engine had nothing to do since idle_since
-            self._interval("idle", self.idle_since)
-        self.requests += len(prompts) * n
-        try:
-            samples = await asyncio.gather(
-                *[one(p, None if seeds is None else seeds[i] + j) for i, p in enumerate(prompts) for j in range(n)]
-            )
-        finally:
-            self.requests -= len(prompts) * n
-            if self.requests == 0:
-                self.idle_since = time.time()
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    # The weight-transfer protocol; the update happens between start (pause) and finish (resume).
-    async def init_weight_transfer_engine(self, init_info: dict):
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-
-    async def start_weight_update(self):
-        self.paused_at = time.time()
-        # Waits for the decoding step in progress; running requests stay. Without keep_old_kv they are
-        # preempted and prefilled again after the resume (and the prefix cache is emptied).
-        await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
-        await self.llm.start_weight_update()
-
-    async def update_weights(self, update_info: dict):
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-
-    async def finish_weight_update(self, version: int):
-        await self.llm.finish_weight_update(weight_version=str(version))  # labels the tokens sampled from now on
-        self.version = version
-        await self.llm.resume_generation()
-        self._interval("paused", self.paused_at)
-
-    def _interval(self, what: str, start: float):
-        end = time.time()
-        self.intervals.append((what, start, end))
-        self.stats[f"{what}_s"] += end - start
-
-    async def get_stats(self) -> dict:
-        """Running totals: tokens sampled, seconds with no request (waiting for work), seconds paused by updates."""
-        idle = time.time() - self.idle_since if self.requests == 0 else 0.0
-        return dict(self.stats, idle_s=self.stats["idle_s"] + idle)
-
-    async def get_timeline(self) -> list[tuple[str, float, float]]:
-        """The idle and paused intervals so far (wall clock): the engine generated the rest of the time."""
-        return list(self.intervals)
-
-    async def shutdown(self):
-        self.llm.shutdown()  # stops the engine-core process now rather than at interpreter teardown
 
 
 def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
@@ -285,7 +205,9 @@ def spawn_engines(
     here rather than surfacing as a weight-sync timeout. `engine_cls`: AsyncEngine (with its `engine_kwargs`),
     or a stand-in for placement tests.
     """
-    env = GPU_ENV if use_gpu else CPU_ENV
+    # The driver's own VLLM_* settings go to the engines too (on a cluster they run elsewhere), e.g.
+    # VLLM_USE_V2_MODEL_RUNNER=0: vLLM's previous model runner, if the default one misbehaves (docs/errors.md)
+    env = {**(GPU_ENV if use_gpu else CPU_ENV), **{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
     engines = [
         engine_cls.options(**slot.options(pg, env)).remote(
             model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode, **engine_kwargs

@@ -1,4 +1,9 @@
-"""A "gloo" backend for vLLM's weight-transfer API, so trainer→engine weight sync also runs on CPU.
+"""vLLM's side of the weight sync: a "gloo" backend so it also runs on CPU, and a check that every update is whole.
+
+A weight update that leaves a weight unset is silent in vLLM: the layer keeps whatever its memory holds (after
+sleep level 2, garbage) and vLLM only logs a warning. `Whole` makes an update that did not set every parameter of
+the engine's model fail instead, naming the first one; the engines use every backend with it: "checked-gloo" (gloo
+below), "checked-nccl" and "checked-ipc" (vLLM's own).
 
 vLLM ships "nccl" and "ipc" backends, both CUDA-only. This module adds the same thing over a gloo process
 group, registered with vLLM's two factories, so trainers drive it with exactly the calls they use on GPU:
@@ -25,6 +30,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 CHUNK_BYTES = 256 * 2**20
@@ -32,6 +39,41 @@ CHUNK_BYTES = 256 * 2**20
 
 class WorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); importing this module is its whole job."""
+
+
+class Whole:
+    """Mixed into a WeightTransferEngine: an update must set every parameter of the model, or it fails.
+
+    Every backend loads what it receives through the model's `load_weights`, which returns the names of the
+    parameters it set; their union is compared with the model's parameters when the update finishes (as vLLM's
+    own reload_weights does, which only warns). KV-cache scales are left out: checkpoints may lack them.
+    """
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self.received, model = set(), self.model
+        load = model.load_weights
+
+        def recording_load_weights(weights):  # the model's own, noting the names it set
+            names = load(weights)
+            self.received.update(names or ())
+            return names
+
+        model.load_weights = recording_load_weights
+
+    def finish_weight_update(self) -> None:
+        del self.model.load_weights  # the class's method again
+        super().finish_weight_update()
+        expected = {name.replace(".base_layer.", ".") for name, _ in self.model.named_parameters()}
+        missing = sorted(n for n in expected - self.received if not n.endswith(KV_SCALES))
+        if missing:
+            raise RuntimeError(
+                f"the weight update set {len(expected) - len(missing)} of the engine's {len(expected)} weights; "
+                f"missing: {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            )
+
+
+KV_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 
 
 def gloo_group(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -151,5 +193,19 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update()
 
 
-WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+class CheckedGloo(Whole, GlooWeightTransferEngine):
+    """The gloo backend (CPU), with the whole-update check."""
+
+
+class CheckedNCCL(Whole, NCCLWeightTransferEngine):
+    """vLLM's NCCL backend (engines on GPUs of their own), with the whole-update check."""
+
+
+class CheckedIPC(Whole, IPCWeightTransferEngine):
+    """vLLM's CUDA IPC backend (engines colocated with the trainers), with the whole-update check."""
+
+
+WeightTransferEngineFactory.register_engine("checked-gloo", CheckedGloo)
+WeightTransferEngineFactory.register_engine("checked-nccl", CheckedNCCL)
+WeightTransferEngineFactory.register_engine("checked-ipc", CheckedIPC)
 WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)

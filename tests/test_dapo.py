@@ -145,6 +145,7 @@ def eager_model(tmp_path_factory, tiny_model_untied):
     return path
 
 
+@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
 def test_dapo_two_steps_end_to_end(eager_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -188,6 +189,7 @@ def test_compute_loss_by_hand():
     assert stats["clipped_tokens"].item() == 2 and set(stats) == {"clipped_tokens", "tis_sum"}
 
 
+@pytest.mark.engine
 def test_a_step_with_nothing_to_train_still_evaluates_logs_and_saves(eager_model, tmp_path):
     """A constant reward: every group is all-equal, so no step has anything to train (the cap comes first). Each
     step still evaluates on schedule, logs its samples, saves its checkpoint; the weights do not move."""

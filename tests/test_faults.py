@@ -85,7 +85,11 @@ class Run:
 # go too (finish checks). A killed Trainer reaches the same `call` in both scripts; a killed AsyncEngine is in
 # test_grpo_async.py's end-to-end test.
 @pytest.mark.parametrize(
-    "script,actor,after", [("grpo.py", "Engine", "run dir:"), ("grpo_async.py", "Trainer", "step 1 ")]
+    "script,actor,after",
+    [
+        pytest.param("grpo.py", "Engine", "run dir:", marks=pytest.mark.engine),
+        pytest.param("grpo_async.py", "Trainer", "step 1 ", marks=pytest.mark.cpu_engine("on GPUs it needs two")),
+    ],
 )
 def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, actor, after):
     run = Run(tiny_model, tmp_path, "--num-steps", "50", "--max-response-length", "48", script=script)
@@ -95,6 +99,7 @@ def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, act
     assert status == 1 and f"{actor}#0 died during" in error, error
 
 
+@pytest.mark.engine
 def test_sigterm_stops_the_run_and_its_actors(tiny_model, tmp_path):
     run = Run(tiny_model, tmp_path, "--num-steps", "50")
     run.wait_for("run dir:")
@@ -103,6 +108,7 @@ def test_sigterm_stops_the_run_and_its_actors(tiny_model, tmp_path):
     assert status == 1 and error == "error: stopped by SIGTERM"
 
 
+@pytest.mark.engine
 def test_nan_reward_stops_before_training_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
     reward = tmp_path / "flaky.py"  # fine for the 2 test calls and step 1 (4 prompts x 4 samples), then NaN
     reward.write_text("calls = 0\ndef flaky(response, answer):\n    global calls\n    calls += 1\n"
@@ -116,6 +122,7 @@ def test_nan_reward_stops_before_training_and_keeps_the_last_checkpoint(tiny_mod
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]  # no final model
 
 
+@pytest.mark.engine
 def test_a_hanging_reward_function_is_stopped_by_the_timeout(tiny_model, tmp_path):
     reward = tmp_path / "stuck.py"  # fine for the 2 test calls, then hangs
     reward.write_text("import time\ncalls = 0\ndef stuck(response, answer):\n    global calls\n    calls += 1\n"

@@ -88,10 +88,12 @@ def test_push_waits_for_the_optimizer_step_and_frees_the_cache(monkeypatch):
         def send_weights(self):
             events.append("send_weights")
 
-    WeightSync(Transfer(), colocated=True).push()
+    WeightSync(Transfer(), True, None, [], torch.float32).push()
     assert events == ["synchronize", "send_weights", "empty_cache"]
     events.clear()
-    WeightSync(Transfer(), colocated=False).push()  # no engine on this GPU: the next step reuses the cache
+    WeightSync(
+        Transfer(), False, None, [], torch.float32
+    ).push()  # no engine on this GPU: the next step reuses the cache
     assert events == ["synchronize", "send_weights"]
 
 

@@ -87,6 +87,7 @@ def rollout_batch(engines, prompts, G, args, sp_size=1):
     return [[share] for share in shares_per_rank(shares, sp_size)]  # [rank][minibatch] -> micro-batches
 
 
+@pytest.mark.cpu_engine("CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart")
 @pytest.mark.parametrize("tied,sp_size", [(True, 1), (False, 1), (True, 2)], ids=["tied", "untied", "tied-sp2"])
 def test_engine_matches_trainer_after_train_step_and_sync(
     ray_cpu, tied, sp_size, tiny_model, tiny_model_untied, tokenizer
@@ -129,6 +130,7 @@ def grpo_args(model, out, *extra):
             "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
 
 
+@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
 def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(tiny_model, tmp_path):
     extra = ("--num-steps", "2", "--num-trainers", "2", "--save-every", "1", "--reward-fn", parity_reward(tmp_path))
     flags = grpo_args(tiny_model, tmp_path / "runs", *extra)

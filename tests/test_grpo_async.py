@@ -1,4 +1,4 @@
-"""grpo_async.py and common/engines.py's AsyncEngine: an in-flight weight update seen inside one sequence, the
+"""grpo_async.py and common/async_engine.py's AsyncEngine: an in-flight weight update seen inside one sequence, the
 lag bound over real runs, faults, the diff against grpo.py, and an end-to-end run."""
 
 import json
@@ -16,8 +16,9 @@ from test_weight_sync import SyncTrainer
 
 import grpo_async
 import sft
+from common.async_engine import AsyncEngine
 from common.data import encode_prompt, pack
-from common.engines import AsyncEngine, spawn_engines
+from common.engines import spawn_engines
 from common.placement import Layout, call, init_ray, make_placement_group, rendezvous_address, spawn_trainers
 from common.weight_sync import EngineClient
 
@@ -28,6 +29,7 @@ def trainer_logprobs(trainers, prompt, tokens):
     return call(trainers, "logprobs", [seq], 1.0)[0]
 
 
+@pytest.mark.cpu_engine("CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart")
 def test_in_flight_update_inside_one_sequence(tiny_model, tokenizer):
     """Two async engines decode one long response each; the trainer pushes new weights while they do. Each
     response holds tokens of versions 0 and 1. Re-prefill (the default): the tokens after the update have exactly
@@ -195,6 +197,7 @@ def check_run(run_dir: str, steps: range, max_lag: int) -> list[dict]:
     return metrics
 
 
+@pytest.mark.cpu_engine("exact logprobs in fp32; on GPUs grpo_async.py needs two")
 def test_end_to_end_run_then_resume_on_policy_until_the_engine_dies(tiny_model, tmp_path):
     """4 real steps with a tiny model and --max-lag 1: the lag bound holds and the pipeline overlapped (some
     trained tokens have lag 1); the final model and timeline are written; no process outlives the run. Then

@@ -1,12 +1,16 @@
 """GPU and multi-node placements, proven on a CPU machine: Ray's logical GPUs and a simulated cluster.
 
-Stand-in actors (no CUDA, no model) are placed with the scripts' own calls (Layout, make_placement_group,
-spawn_trainers, spawn_engines), as each script would place its trainers, critics, engines and reward model.
-Each layout must be scheduled within a minute (an actor that Ray cannot place waits forever), every actor on its
-bundle's node with the GPU share meant for it, colocated actors on one GPU and the others on GPUs of their own.
+What each script picks on 1, 2 and 8 GPUs comes from the scripts' own checks; stand-in actors (no CUDA, no
+model) are then placed with the scripts' own calls (Layout, make_placement_group, spawn_trainers, spawn_engines),
+as each script would place its trainers, critics, engines and reward model. Each layout must be scheduled within
+a minute (an actor that Ray cannot place waits forever), every actor on its bundle's node with the GPU share
+meant for it, colocated actors on one GPU and the others on GPUs of their own; an actor without a GPU must not
+see any (Ray 2.60 no longer hides the node's GPUs from it).
 """
 
+import importlib
 import os
+import re
 import time
 
 import pytest
@@ -17,7 +21,7 @@ from ray.util.placement_group import placement_group_table
 
 from common import placement
 from common.engines import spawn_engines
-from common.placement import Layout, check_devices, make_placement_group, spawn_trainers, wait_started
+from common.placement import Layout, choose_layout, make_placement_group, spawn_trainers, wait_started
 
 TESTS_ON_PATH = {"env_vars": {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}}  # stand-ins
 SCHEDULE_S = 60  # generous for starting a dozen worker processes on 2 cores; an unschedulable actor never starts
@@ -36,7 +40,8 @@ class StandIn:
         ctx = ray.get_runtime_context()
         resources = ctx.get_assigned_resources()
         return {"node": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(), "gpus": resources.get("GPU", 0.0),
-                "cpus": resources.get("CPU", 0.0), "started_at": self.started_at}  # fmt: skip
+                "cpus": resources.get("CPU", 0.0), "started_at": self.started_at,
+                "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
 
 
 class Trainer(StandIn):  # Ray names actors by class: the errors below name the role
@@ -54,16 +59,16 @@ class Engine(StandIn):
 RemoteTrainer, RemoteCritic, RemoteEngine = (ray.remote(c) for c in (Trainer, Critic, Engine))
 
 
-def place(layout: Layout, tp: int = 1) -> dict[str, list[tuple]]:
+def place(layout: Layout, tp: int = 1, use_gpu: bool = True) -> dict[str, list[tuple]]:
     """Place every actor of `layout` as the scripts do; returns {role: [(slot, where)]}."""
-    pg = make_placement_group(layout.bundles, use_gpu=True)
+    pg = make_placement_group(layout.bundles, use_gpu=use_gpu)
     actors = {"trainer": spawn_trainers(RemoteTrainer, pg, layout.trainers, "args", "model")}
     if layout.critics:
         actors["critic"] = spawn_trainers(RemoteCritic, pg, layout.critics, "args", "model")
     if layout.engines:
         actors["engine"] = spawn_engines(
             pg, layout.engines, model_path="model", seed=0, backend="nccl", tp=tp, max_model_len=64, memory=0.4,
-            use_gpu=True, engine_cls=RemoteEngine,
+            use_gpu=use_gpu, engine_cls=RemoteEngine,
         )  # fmt: skip
     if layout.reward_model:
         actors["reward_model"] = [ray.remote(StandIn).options(**layout.reward_model.options(pg)).remote()]
@@ -78,7 +83,7 @@ def place(layout: Layout, tp: int = 1) -> dict[str, list[tuple]]:
     for role, group in placed.items():
         for slot, where in group:
             assert where["node"] == nodes[slot.bundle], f"{role} on bundle {slot.bundle} is not on that bundle's node"
-            assert len(where["gpu_ids"]) == max(1, int(where["gpus"])), (role, where)
+            assert len(where["gpu_ids"]) == (max(1, int(where["gpus"])) if use_gpu else 0), (role, where)
     by_bundle: dict[int, set] = {}
     for group in placed.values():
         for slot, where in group:
@@ -117,6 +122,18 @@ def test_one_gpu_colocated(logical_gpus):
     assert placed["trainer"][0][1]["gpu_ids"] == placed["engine"][0][1]["gpu_ids"]
 
 
+def test_actors_without_a_gpu_see_no_cuda(logical_gpus):
+    """A CPU layout on a machine with GPUs (8 logical ones here): every actor gets CUDA_VISIBLE_DEVICES="" so
+    torch, NCCL and vLLM cannot pick cuda:0; an actor with a GPU sees exactly its own."""
+    placed = place(Layout(False, trainers=2, engines=1), use_gpu=False)
+    for role in ("trainer", "engine"):
+        assert [where["cuda_visible"] for _, where in placed[role]] == [""] * len(placed[role]), role
+    placed = place(Layout(True, trainers=2, engines=1))
+    for role in ("trainer", "engine"):
+        for _, where in placed[role]:
+            assert where["cuda_visible"] == ",".join(map(str, where["gpu_ids"])) != "", (role, where)
+
+
 def test_two_gpus_split(logical_gpus):
     placed = place(Layout(True, trainers=1, engines=1))
     assert shares(placed, "trainer") == [(0, 1.0, 1.0)]
@@ -129,15 +146,25 @@ def test_eight_gpus_four_trainers_two_tp2_engines(logical_gpus):
     assert shares(placed, "engine") == [(4, 2.0, 1.0), (5, 2.0, 1.0)]
 
 
-def test_ppo_critics_and_reward_model(logical_gpus):
-    """ppo.py: policy ranks with colocated engines, a critic group of its own, the reward model on the last GPU."""
-    placed = place(Layout(True, trainers=2, engines=2, colocate=True, critics=2, reward_model=True))
-    assert shares(placed, "trainer") == [(0, 0.5, 1.0), (1, 0.5, 1.0)]
-    assert shares(placed, "engine") == [(0, 0.5, 0.0), (1, 0.5, 0.0)]
+def test_ppo_critics_and_reward_model_apart(logical_gpus):
+    """ppo.py on GPUs of their own: policy ranks, critic ranks, engines, then the reward model on the last GPU."""
+    placed = place(Layout(True, trainers=2, engines=1, engine_tp=2, critics=2, reward_model=True), tp=2)
+    assert shares(placed, "trainer") == [(0, 1.0, 1.0), (1, 1.0, 1.0)]
     assert shares(placed, "critic") == [(2, 1.0, 1.0), (3, 1.0, 1.0)]
-    assert shares(placed, "reward_model") == [(4, 1.0, 1.0)]
-    placed = place(Layout(True, trainers=2, engines=1, engine_tp=2, critics=1, reward_model=True), tp=2)
-    assert [b for b, _, _ in shares(placed, "engine")] == [3] and shares(placed, "reward_model") == [(4, 1.0, 1.0)]
+    assert shares(placed, "engine") == [(4, 2.0, 1.0)] and shares(placed, "reward_model") == [(5, 1.0, 1.0)]
+
+
+def test_ppo_hybrid_engine_on_two_gpus(logical_gpus):
+    """ppo.py --colocate: policy rank i, critic rank i and engine i on GPU i, the reward model on GPU 0 too; each
+    asks for an equal share of its GPU and only the policy rank for the bundle's CPU."""
+    placed = place(Layout(True, trainers=2, engines=2, colocate=True, critics=2, reward_model=True))
+    assert shares(placed, "trainer") == [(0, 0.25, 1.0), (1, 0.3333, 1.0)]
+    assert shares(placed, "critic") == [(0, 0.25, 0.0), (1, 0.3333, 0.0)]
+    assert shares(placed, "engine") == [(0, 0.25, 0.0), (1, 0.3333, 0.0)]
+    assert shares(placed, "reward_model") == [(0, 0.25, 0.0)]
+    for role in ("critic", "engine"):
+        for (_, mine), (_, trainer) in zip(placed[role], placed["trainer"]):
+            assert mine["gpu_ids"] == trainer["gpu_ids"], role
 
 
 class SlowEngine(StandIn):
@@ -164,6 +191,72 @@ def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
     ray.util.remove_placement_group(pg)
 
 
+# What each script does with its default flags on 1, 2 and 8 GPUs: True colocated, False apart, or its error.
+PICKS = {
+    "sft": {1: False, 2: False, 8: False}, "rm": {1: False, 2: False, 8: False}, "dpo": {1: False, 2: False, 8: False},
+    "grpo": {1: True, 2: False, 8: False}, "dapo": {1: True, 2: False, 8: False},
+    "ppo": {1: True, 2: True, 8: False},  # policy + critic + engine apart need 3 GPUs: the hybrid engine below that
+    "grpo_async": {1: "this job needs 2 GPUs (its engines generate while its trainers train, so they cannot share "
+                      "a GPU) but this machine has 1", 2: False, 8: False},
+}  # fmt: skip
+
+
+def script_layout(name: str, args, gpus: int, monkeypatch) -> Layout:
+    """The script's own decision (its check_machine, or main's choose_layout call for sft/rm/dpo) on `gpus` GPUs,
+    as the Layout it would place."""
+    module = importlib.import_module(name)
+    monkeypatch.setattr(placement, "count_gpus", lambda: (gpus, "this machine"))
+    module.validate_args(args)
+    if hasattr(module, "check_machine"):
+        use_gpu, _ = module.check_machine(args, f"{name}.py")
+    else:
+        use_gpu, _ = placement.choose_layout(args.num_trainers, None, False)
+    assert use_gpu
+    engines = getattr(args, "num_engines", 0)
+    critics, reward_model = getattr(args, "num_critics", 0), getattr(args, "reward_model", None) is not None
+    return Layout(True, args.num_trainers, engines, getattr(args, "engine_tp", 1), getattr(args, "colocate", False),
+                  critics, reward_model)  # fmt: skip
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_what_each_script_picks_on_1_2_and_8_gpus(monkeypatch, capsys, tmp_path, gpus):
+    """Default flags: with too few GPUs to give every actor its own, the RL scripts colocate (ppo.py: the hybrid
+    engine) and say so in one line; grpo_async.py, which cannot share, is refused with one line saying why."""
+    for name, picks in PICKS.items():
+        args = importlib.import_module(name).Args(output_dir=str(tmp_path))
+        if isinstance(picks[gpus], str):
+            with pytest.raises(SystemExit, match=f"^error: {re.escape(picks[gpus])}$"):
+                script_layout(name, args, gpus, monkeypatch)
+            continue
+        capsys.readouterr()
+        layout = script_layout(name, args, gpus, monkeypatch)
+        line = capsys.readouterr().out.strip()
+        assert getattr(args, "colocate", False) is picks[gpus], name
+        if picks[gpus]:
+            assert line == f"layout: colocated on 1 GPU: this machine has {gpus}, too few to give every actor its own"
+            assert layout.bundles == [1]
+        else:
+            assert line.startswith("layout: ") and "own" in line, (name, line)
+            assert len(layout.bundles) <= gpus
+
+
+def test_one_gpu_places_every_script(monkeypatch, tmp_path):
+    """On a Ray instance with exactly one (logical) GPU, every script's default layout is scheduled: grpo/dapo
+    colocated, ppo.py's hybrid engine with and without a reward model, sft/rm/dpo on the GPU."""
+    ray.shutdown()
+    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, logging_level="ERROR", runtime_env=TESTS_ON_PATH)
+    try:
+        for name in ("sft", "rm", "dpo", "grpo", "dapo", "ppo", "ppo+rm"):
+            module = importlib.import_module(name.split("+")[0])
+            args = module.Args(output_dir=str(tmp_path), **({"reward_model": "rm"} if "+rm" in name else {}))
+            placed = place(script_layout(module.__name__, args, 1, monkeypatch))
+            gpus = {tuple(where["gpu_ids"]) for group in placed.values() for _, where in group}
+            assert gpus == {(0,)}, (name, gpus)
+            assert ("reward_model" in placed) == ("+rm" in name)
+    finally:
+        ray.shutdown()
+
+
 def test_two_nodes_of_eight_gpus(monkeypatch):
     """8 trainer ranks and 4 engines of TP 2 over two simulated 8-GPU nodes, joined as the scripts join a cluster."""
     ray.shutdown()  # the logical-GPU instance of the tests above
@@ -173,9 +266,9 @@ def test_two_nodes_of_eight_gpus(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))  # init_ray adds it for the actors: the stand-ins
     try:
         # The driver's machine shows no GPU (like a KubeRay head pod): the cluster's GPUs decide.
-        assert check_devices(16)
+        assert choose_layout(16, None, False) == (True, False)
         with pytest.raises(SystemExit, match=r"^error: this job needs 17 GPUs but the Ray cluster at .* has 16$"):
-            check_devices(17)
+            choose_layout(17, None, False)
         placed = place(Layout(True, trainers=8, engines=4, engine_tp=2), tp=2)
         nodes = {where["node"] for group in placed.values() for _, where in group}
         assert len(nodes) == 2
@@ -185,6 +278,7 @@ def test_two_nodes_of_eight_gpus(monkeypatch):
         cluster.shutdown()
 
 
+@pytest.mark.cpu_engine("a simulated cluster of CPU nodes runs CPU engines")
 def test_grpo_on_two_nodes_trainer_and_engine_apart(tiny_model, tmp_path):
     """grpo.py joins a running cluster through RAY_ADDRESS. Each simulated node has one CPU, so its trainer and
     its engine must land on different nodes; the weights then travel between nodes, and the rendezvous

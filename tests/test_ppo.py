@@ -114,6 +114,7 @@ def ppo_args(model, out, *extra):
             "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
 
 
+@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
 def test_ppo_end_to_end_with_verifier_resumes_exactly(tiny_model, tmp_path):
     extra = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16", "--save-every", "1")
     extra += ("--reward-fn", parity_reward(tmp_path))  # rewards that depend on what was sampled
@@ -134,6 +135,7 @@ def test_ppo_end_to_end_with_verifier_resumes_exactly(tiny_model, tmp_path):
     assert_resume_is_exact("ppo.py", ppo_args(tiny_model, tmp_path / "runs", *extra), run_dir)
 
 
+@pytest.mark.engine  # on one GPU: the hybrid engine, reward model included
 def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -154,6 +156,7 @@ def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
     assert any(s["reward"] not in (0.0, 1.0) for s in samples) and rows[-1]["step"] == 1
 
 
+@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
 def test_sp2_matches_one_rank(tiny_model, tmp_path):
     # --sp-size 2: the policy and the critic each split every row over 2 ranks with ring attention. The runs see
     # the same rollouts (same start weights, same engine seed), so values, GAE, losses and updates must agree.

@@ -3,6 +3,7 @@
 import pytest
 import ray
 import torch
+from transformers import AutoTokenizer
 
 import sft
 from common.data import encode_prompt, pack
@@ -25,10 +26,11 @@ class SyncTrainer:
         self.rank = rank
         self.device = init_distributed(rank, world_size, addr, port)
         self.model = sft.load_policy(model_path, self.device, gradient_checkpointing=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def init_sync(self, engines, backend, addr, port):
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines' dtype
-        self.sync = init_weight_sync(self.model, engines, backend, self.rank, addr, port, 1, dtype)
+        self.sync = init_weight_sync(self.model, self.tokenizer, engines, backend, self.rank, (addr, port), 1, dtype)
 
     @torch.no_grad()
     def perturb(self, scale):
@@ -39,6 +41,21 @@ class SyncTrainer:
 
     def push(self):
         self.sync.push()
+        self.sync.check()
+
+    def leave_out(self, name: str | None):
+        """From now on the pushes skip the weight `name` (None: send everything again), like a broken sender."""
+        source = self.sync.transfer.source
+        parent = type(source) if name is not None else type(source).__mro__[1]
+
+        class Skipping(parent):
+            def metadata(self):
+                return [m for m in parent.metadata(self) if m.name != name]
+
+            def __iter__(self):
+                return ((n, t) for n, t in parent.__iter__(self) if n != name)
+
+        source.__class__ = Skipping if name is not None else parent
 
     @torch.no_grad()
     def logprobs(self, sequences, temperature):
@@ -76,6 +93,7 @@ def ray_cpu():
     ray.shutdown()
 
 
+@pytest.mark.cpu_engine("CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart")
 @pytest.mark.parametrize("tied", [True, False])
 def test_gloo_sync_matches_trainer_logprobs(ray_cpu, tied, tiny_model, tiny_model_untied, tokenizer):
     path = tiny_model if tied else tiny_model_untied
@@ -102,6 +120,36 @@ def test_gloo_sync_matches_trainer_logprobs(ray_cpu, tied, tiny_model, tiny_mode
     trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, T)
     assert (trainer_lp - engine_lp).abs().max() < 1e-4
 
+    for a in trainers + engines:
+        ray.kill(a)
+    ray.util.remove_placement_group(pg)
+
+
+@pytest.mark.cpu_engine("CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart")
+def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
+    """An engine never serves a half-updated model in silence: a weight missing from an update fails the update,
+    naming it (the engine's own parameter check), and a missing part of a fused weight (q of vLLM's qkv_proj,
+    whose name the update does set) fails the probe that follows every push."""
+    layout = Layout(False, trainers=1, engines=1)
+    pg = make_placement_group(layout.bundles, use_gpu=False)
+    trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
+    engines = spawn_engines(
+        pg, layout.engines, model_path=tiny_model, seed=0, backend="gloo", tp=1, max_model_len=256, memory=0.25,
+        use_gpu=False,
+    )  # fmt: skip
+    call(trainers, "init_sync", engines, "gloo", *rendezvous_address(pg, 0))
+    call(trainers, "perturb", 0.05)
+    call(trainers, "leave_out", "model.layers.0.self_attn.q_proj.weight")
+    with pytest.raises(
+        SystemExit, match=r"Engine#0 does not serve the weights just pushed: .* differ from the trainer"
+    ):
+        call(trainers, "push")
+    call(trainers, "leave_out", None)
+    call(trainers, "push")  # whole again: accepted, and the probe agrees
+    call(trainers, "leave_out", "model.layers.1.mlp.down_proj.weight")  # last: a refused update ends a run
+    with pytest.raises(SystemExit, match=r"^error: SyncTrainer#0 failed in push: .*set 13 of the engine's 14 weights; "
+                                         r"missing: model\.layers\.1\.mlp\.down_proj\.weight$"):  # fmt: skip
+        call(trainers, "push")
     for a in trainers + engines:
         ray.kill(a)
     ray.util.remove_placement_group(pg)

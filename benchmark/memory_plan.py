@@ -1,0 +1,92 @@
+"""The memory plans in docs/cluster.md, computed by common/memory.py (the check every script runs before it starts).
+
+    .venv/bin/python benchmark/memory_plan.py        # prints the markdown table of docs/cluster.md
+
+Model shapes are the published configs (real vocabularies; built on the meta device, no download). The GPU is an
+H100 80GB: 81,559 MiB as nvidia-smi reports it. Computed, not measured.
+"""
+
+import os
+import sys
+from dataclasses import replace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from common.memory import GiB, Job, check, needs, shape_of  # noqa: E402
+
+H100 = 81559 * 2**20
+CONFIGS = {
+    "Qwen2.5-0.5B": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-1.5B": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Llama-3.1-70B": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def shape(name: str, head: str = "lm"):
+    from transformers import AutoConfig
+
+    fields = dict(CONFIGS[name])
+    return shape_of(AutoConfig.for_model(fields.pop("model_type"), **fields), head)
+
+
+def cases() -> list[tuple[str, str, Job]]:
+    """(run, command's layout flags, Job): the runs docs/cluster.md plans."""
+    s05, s15, s7, s70 = (shape(n) for n in CONFIGS)
+    grpo = dict(tokens=16384, checkpointing=True, engines=1, engine_memory=0.4, colocate=True)
+    ppo = dict(grpo, reference=True)
+    split7 = dict(tokens=8192, checkpointing=True, reference=True, engine_memory=0.85)
+    return [
+        ("grpo.py 0.5B (the reference benchmark)", "1 GPU, colocated", Job(s05, trainers=1, **grpo)),
+        ("ppo.py 0.5B + critic + reward model 0.5B", "1 GPU, hybrid engine",
+         Job(s05, trainers=1, critic=shape("Qwen2.5-0.5B", "score"), critics=1,
+             reward_model=shape("Qwen2.5-0.5B", "score"), **ppo)),
+        ("grpo.py 1.5B", "1 GPU, colocated", Job(s15, trainers=1, **grpo)),
+        ("ppo.py 1.5B + critic + reward model 1.5B", "1 GPU, hybrid engine",
+         Job(s15, trainers=1, critic=shape("Qwen2.5-1.5B", "score"), critics=1,
+             reward_model=shape("Qwen2.5-1.5B", "score"), **ppo)),
+        ("grpo.py 7B, full fine-tuning", "1 GPU, colocated", Job(s7, trainers=1, **dict(grpo, tokens=8192))),
+        ("grpo.py 7B, --kl-coef 0.01", "8 GPUs: --num-trainers 4 --num-engines 4",
+         Job(s7, trainers=4, engines=4, **split7)),
+        ("grpo.py 7B, --kl-coef 0.01", "8 GPUs: --num-trainers 8 --num-engines 8 --colocate",
+         Job(s7, trainers=8, **dict(grpo, tokens=8192, engines=8, reference=True))),
+        ("grpo.py 70B, --kl-coef 0.01", "48 GPUs: --num-trainers 32 --num-engines 2 --engine-tp 8",
+         Job(s70, trainers=32, engines=2, engine_tp=8, **dict(split7, tokens=4096))),
+    ]  # fmt: skip
+
+
+def rows() -> list[str]:
+    """The markdown table: per run, each GPU's peak phase, its GiB and what makes it up, and the verdict."""
+    out = ["| run | layout | per GPU (GiB of 79.6) | verdict |", "| --- | --- | --- | --- |"]
+    for run, layout, job in cases():
+        try:
+            job = check(job, H100)[0]
+            verdict = "fits" + (" (critic and reward model offloaded when idle)" if job.offload else "")
+        except SystemExit as e:
+            verdict = "refused: " + str(e.code).split("fit; ", 1)[-1].replace("it would fit with ", "fits with ")
+        peaks = {}
+        for gpu, phase, parts in needs(job, H100):
+            total = sum(parts.values())
+            if total > peaks.get(gpu, (None, -1))[1]:
+                peaks[gpu] = (phase, total)
+        where = "; ".join(f"{gpu} {phase}: {total / GiB:.1f}" for gpu, (phase, total) in peaks.items())
+        out.append(f"| {run} | {layout} | {where} | {verdict} |")
+    return out
+
+
+def detail(run_index: int) -> list[str]:
+    """Every phase of one case, part by part (for the worked example in docs/cluster.md)."""
+    _, _, job = cases()[run_index]
+    job = replace(job, offload=check(job, H100)[0].offload)
+    return [
+        f"{gpu} {phase}: " + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v >= GiB / 20)
+        for gpu, phase, parts in needs(job, H100)
+    ]
+
+
+if __name__ == "__main__":
+    print("\n".join(rows()))

@@ -1,0 +1,89 @@
+"""The LM head as the log-probabilities of given tokens, a chunk of tokens at a time: no (tokens, vocab) logits.
+
+For hidden states h_t, the head's weight W (vocab x hidden) and a temperature T, the scripts need
+    log π(y_t) = z_t[y_t] - logsumexp(z_t),        z_t = W h_t / T
+for the sampled tokens y_t only. Computed plainly, a micro-batch of N tokens materialises (N, vocab) fp32
+logits and as much again for their gradient: with Qwen's 151,936-token vocabulary, ~10 GB each for 16k tokens.
+`TokenLogprobs` walks the tokens in chunks of HEAD_CHUNK_BYTES of logits, keeping only each token's
+log-sum-exp, and recomputes a chunk's logits in the backward pass:
+    ∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t)
+The values are those of the plain computation (same matmul in the model's dtype, fp32 from the logits on).
+
+The head runs inside the model's forward (so FSDP2 gathers and frees its weight as usual): `install` turns the
+model's nn.Linear LM head into a `LogprobHead` (same parameter, same name, same checkpoints), which returns
+logits as before, or, inside `token_logprobs(model, labels, T)`, the log-probabilities of `labels`.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+from common.memory import HEAD_CHUNK_BYTES
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log-probabilities at temperature T, by chunks."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float):
+        chunk = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for s in range(0, hidden.shape[0], chunk):
+            z = (hidden[s : s + chunk] @ weight.T).float() / temperature  # (c, V)
+            z_y = z.gather(1, labels[s : s + chunk, None]).squeeze(1)
+            out[s : s + chunk] = torch.log_softmax(z, dim=-1).gather(1, labels[s : s + chunk, None]).squeeze(1)
+            lse[s : s + chunk] = z_y - out[s : s + chunk]  # logsumexp(z), for the backward
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, hidden.shape[0], chunk):
+            h, g = hidden[s : s + chunk], grad[s : s + chunk, None]
+            z = (h @ weight.T).float() / T  # recomputed: (c, V)
+            dz = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g)  # -g softmax(z) ...
+            dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # ... + g onehot(y), through z = W h / T
+            if grad_hidden is not None:
+                grad_hidden[s : s + chunk] = dz.to(weight.dtype) @ weight
+            grad_weight += dz.T @ h.float()
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None
+
+
+class LogprobHead(torch.nn.Linear):
+    """The model's LM head (an nn.Linear without bias, the same weight): logits, or inside `token_logprobs` the
+    log-probabilities of the given labels."""
+
+    targets = None  # (labels (N,), temperature) while token_logprobs is active
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return super().forward(hidden)
+        labels, temperature = self.targets
+        return TokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels, temperature)  # (N,)
+
+
+def install(model) -> None:
+    """Turn the model's LM head into a LogprobHead in place (a class change: parameters and names stay)."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise TypeError(f"expected an nn.Linear LM head without bias, got {type(head).__name__}")
+    head.__class__ = LogprobHead
+
+
+@contextmanager
+def token_logprobs(model, labels: torch.Tensor, temperature: float = 1.0):
+    """Within this block, the model's forward returns as `logits` the (N,) log-probabilities of `labels` (one per
+    kept position of its one packed row, see compute_logprobs in the scripts) instead of logits."""
+    head = model.get_output_embeddings()
+    head.targets = (labels, temperature)
+    try:
+        yield
+    finally:
+        head.targets = None

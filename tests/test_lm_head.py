@@ -1,0 +1,81 @@
+"""The LM head's chunked log-probabilities (common/lm_head.py) equal the plain computation, values and gradients,
+for any chunking, and the scripts' compute_logprobs through a real FSDP2 model equals the formula it replaced."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import lm_head
+
+
+def plain(hidden, weight, labels, temperature):
+    return -F.cross_entropy((hidden @ weight.T).float() / temperature, labels, reduction="none")
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 7, 64, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, temperature):
+    torch.manual_seed(0)
+    N, H, V = 37, 16, 500
+    monkeypatch.setattr(lm_head, "HEAD_CHUNK_BYTES", 4 * V * tokens_per_chunk)
+    # logits of a trained model's size (std ~1): log-probabilities around -6, as in the scripts
+    hidden, weight = torch.randn(N, H, requires_grad=True), (torch.randn(V, H) / H**0.5).requires_grad_()
+    labels, upstream = torch.randint(0, V, (N,)), torch.randn(N)
+
+    ref = plain(hidden, weight, labels, temperature)
+    (ref * upstream).sum().backward()
+    ref_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    out = lm_head.TokenLogprobs.apply(hidden, weight, labels, temperature)
+    (out * upstream).sum().backward()
+
+    assert (out - ref).abs().max() <= 1e-6
+    for got, want in zip((hidden.grad, weight.grad), ref_grads):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_compute_logprobs_through_an_fsdp2_model_equals_the_formula_it_replaced(one_rank_group, tiny_model):
+    """One gloo rank, the scripts' loader (FSDP2, the LogprobHead installed): the log-probabilities and every
+    parameter's gradient equal log_softmax(logits / T)[label] from the model's plain logits."""
+    import torch.distributed as dist
+
+    import grpo
+
+    addr, port = one_rank_group
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    model = grpo.load_policy(tiny_model, torch.device("cpu"), gradient_checkpointing=False)
+    assert isinstance(model.lm_head, lm_head.LogprobHead)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (1, 40))
+    positions, labels = torch.arange(40)[None], torch.roll(ids, -1, 1)
+    mask = (torch.arange(40) >= 12).long()[None]
+
+    logprobs = grpo.compute_logprobs(model, ids, positions, labels, mask, 0.8)
+    logprobs.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    keep = mask[0].nonzero().squeeze(-1)
+    logits = model(input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False).logits[0]
+    assert logits.shape == (len(keep), model.config.vocab_size)  # outside token_logprobs: logits, as before
+    reference = torch.log_softmax(logits.float() / 0.8, dim=-1).gather(1, labels[0, keep, None]).squeeze(1)
+    reference.sum().backward()
+
+    assert logprobs.shape == (len(keep),) and (logprobs - reference).abs().max() <= 1e-6
+    for name, p in model.named_parameters():
+        assert (grads[name] - p.grad).abs().max() <= 1e-5 * max(1.0, p.grad.abs().max().item()), name
+
+
+def test_install_refuses_a_head_it_cannot_compute():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(4, 8, bias=True)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    with pytest.raises(TypeError, match="nn.Linear LM head without bias"):
+        lm_head.install(Model())
