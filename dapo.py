@@ -31,7 +31,7 @@ import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import lm_head, memory
+from common import memory
 from common.checks import call_reward, check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
 from common.engines import generate, spawn_engines
@@ -170,7 +170,6 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
-    lm_head.install(model)  # the LM head computes the log-probabilities of given tokens by chunks (compute_logprobs)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
@@ -578,7 +577,7 @@ def main(args: Args):
     call_reward(reward_function, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
     model_path = resolve_model(args.model)
     check_weights(model_path, "model")
-    memory.check_run(args, use_gpu, model_path, reference=False)  # a run that cannot fit stops here
+    memory.check_run(args, use_gpu, model_path)  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {split: encode_prompts(rows, source, tokenizer, args) for split, (rows, source) in datasets.items()}
 

@@ -33,7 +33,7 @@ import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import lm_head, memory
+from common import memory
 from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
 from common.data import (
     InputError,
@@ -152,7 +152,6 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
-    lm_head.install(model)  # the LM head computes the log-probabilities of given tokens by chunks (compute_logprobs)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None

@@ -340,7 +340,7 @@ def main(args: Args):
                 raise InputError(f"{source}: row {i} column 'margin' must be a number >= 0 (got {m!r})")
     model_path = resolve_model(args.model)
     check_weights(model_path, "model")
-    memory.check_run(args, use_gpu, model_path, reference=False, head="score")  # a run that cannot fit stops here
+    memory.check_run(args, use_gpu, model_path, head="score")  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     # ---- tokenize: prompt + chosen and prompt + rejected per row; count pairs that are too long ----

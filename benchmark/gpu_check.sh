@@ -1,78 +1,133 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: set up, run the GPU test tier, a 3-step colocated grpo.py on the built-in model,
-# then the reference benchmark, and print its table for docs/benchmarks.md.
+# The GPU check, one step per call, each a few minutes at most (a lent GPU machine may give ~10 minutes a command):
 #
-#   bash benchmark/gpu_check.sh                  # from the repo root, on a machine with an NVIDIA GPU
+#   bash benchmark/gpu_check.sh STEP          # from the repo root, on a machine with an NVIDIA GPU
 #
-# Reference config (the one TRL's GRPOTrainer was measured on with this stack on one H100: 24.1 s per step;
-# pure vLLM generation of the batch 14.9 s, pure FSDP2 training 3.5 s; target for grpo.py: <= 19.9 s):
-# a random-weight model of Qwen2.5-0.5B's shape (vocab of the built-in tokenizer, built here: no hub),
-# 64 prompts x G = 8 x 512 response tokens (random weights never stop early), bf16, gradient checkpointing,
-# trainer and vLLM colocated on one GPU, one optimizer step per rollout batch. With 2+ GPUs it also runs the
-# split layout (trainer on GPU 0, engine on GPU 1: NCCL weight sync), and grpo_async.py on the same two GPUs
-# (target: a step within 1.1 x max(generation, training) of the split grpo.py run).
+#   0  environment: GPUs, driver, the Python and its pinned packages
+#   1  the test tiers that need the device: vLLM engines on the GPU and the GPU tier (pytest -m "engine or ... gpu")
+#   2  grpo.py, 3 steps on the built-in model, default flags (one GPU: colocated, which it prints)
+#   3  the reference benchmark, colocated: 0.5B shape, 64 prompts x G = 8 x 512 tokens (target <= 19.9 s per step)
+#   4  with 2+ GPUs: the same batch split (trainer GPU 0, engine GPU 1) and grpo_async.py on those two GPUs
+#   5  ppo.py's hybrid engine on one GPU: 0.5B policy, critic and reward model with vLLM, all on GPU 0
+#   report   the table for docs/benchmarks.md from what steps 0-5 wrote
 #
-# Environment: PYTHON  a Python with the pinned GPU stack (default: `make setup`, then .venv/bin/python)
-#              OUT_DIR where runs and logs go (default /tmp/posttrain-gpu)
-#              STEPS   benchmark steps (default 5; the first is reported apart as warm-up)
+# Each step writes its figures and logs to $RESULTS (default /tmp/posttrain-gpu/results) and ends with one line
+# "step N: passed|FAILED|skipped ..."; a step can be re-run alone after a time limit. TRL 1.16's GRPOTrainer took
+# 24.1 s per step on the reference config on one H100 (pure vLLM generation 14.9 s, pure FSDP2 training 3.5 s).
+#
+# Python: $PYTHON if set; else python3 when it imports the pinned stack (no setup, no network, no hub: the
+# built-in model's wheel is part of the stack); else `make setup` and .venv/bin/python.
+# Environment: RESULTS (where results go), WORK (runs and models, default /tmp/posttrain-gpu), STEPS (benchmark
+# steps, default 5; the first is reported apart as warm-up).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "error: no NVIDIA GPU visible (nvidia-smi -L failed); this check is for GPU machines" >&2
-  exit 1
-fi
-if [ -z "${PYTHON:-}" ]; then
-  make setup || exit 1
-  PYTHON=.venv/bin/python
-fi
-out=${OUT_DIR:-/tmp/posttrain-gpu}
+step=${1:?usage: bash benchmark/gpu_check.sh STEP (0-5 or report)}
+work=${WORK:-/tmp/posttrain-gpu}
+results=${RESULTS:-$work/results}
 steps=${STEPS:-5}
-gpus=$(nvidia-smi -L | wc -l)
-mkdir -p "$out"
-failed=()
-nvidia-smi -L
-"$PYTHON" -c "import torch, vllm, ray, transformers
-print('torch', torch.__version__, 'cuda', torch.version.cuda, '| vllm', vllm.__version__, '| ray', ray.__version__,
-      '| transformers', transformers.__version__, '|', torch.cuda.get_device_name(0))" || exit 1
+mkdir -p "$work" "$results"
 
-echo "== 1/3 GPU test tier"
-"$PYTHON" -m pytest -m gpu tests -q -rs -p no:cacheprovider
-rc=$?
-[ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("GPU test tier (pytest exit $rc)")
-
-echo "== 2/3 grpo.py, 3 steps, colocated on one GPU, built-in model"
-"$PYTHON" grpo.py --colocate --num-steps 3 --output-dir "$out/smoke" || failed+=("colocated grpo.py smoke run")
-
-echo "== 3/3 reference benchmark"
-model=$("$PYTHON" -c "import sys; sys.path.insert(0, '.')
-from benchmark.random_model import make_random_model
-print(make_random_model('qwen2.5-0.5b', '$out/qwen2.5-0.5b-random'))" | tail -1)
-bench() {  # name, then flags of $SCRIPT (default grpo.py); GPU memory is polled every 0.5 s while it runs
-  local name=$1 script=${SCRIPT:-grpo.py}
-  shift
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/$name.memory.log" &
-  local poller=$!
-  "$PYTHON" "$script" --model "$model" --exp-name "$name" --output-dir "$out/$name" --num-steps "$steps" \
-    --prompts-per-step 64 --num-generations 8 --max-response-length 512 --gradient-checkpointing \
-    --max-tokens-per-micro-batch 16384 --eval-dataset "" --learning-rate 1e-6 --warmup-steps 0 "$@"
-  local rc=$?
-  kill $poller 2>/dev/null
-  [ $rc -eq 0 ] || failed+=("benchmark $name (exit $rc)")
-  return $rc
-}
-if bench colocated --colocate; then
-  "$PYTHON" benchmark/gpu_report.py "$out"/colocated/colocated__* --memory "$out/colocated.memory.log"
-fi
-if [ "$gpus" -ge 2 ] && bench split --num-trainers 1 --num-engines 1; then
-  "$PYTHON" benchmark/gpu_report.py "$out"/split/split__* --memory "$out/split.memory.log"
-  # grpo_async.py on the same two GPUs and batch; its target is relative to the split run above
-  if SCRIPT=grpo_async.py bench async --num-trainers 1 --num-engines 1; then
-    "$PYTHON" benchmark/gpu_report.py "$out"/split/split__* "$out"/async/async__* --memory "$out/async.memory.log"
+pinned='import torch, vllm, ray, transformers, tyro
+assert (torch.__version__.split("+")[0], vllm.__version__, ray.__version__, transformers.__version__) == \
+    ("2.13.0", "0.32.0", "2.60.0", "5.19.0"), (torch.__version__, vllm.__version__, ray.__version__)'
+if [ -z "${PYTHON:-}" ]; then
+  if python3 -c "$pinned" >/dev/null 2>&1; then
+    PYTHON=python3
+  else
+    make setup || exit 1
+    PYTHON=.venv/bin/python
   fi
 fi
-
-if [ ${#failed[@]} -gt 0 ]; then
-  printf 'FAILED: %s\n' "${failed[@]}" >&2
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$step" != report ] && [ "$gpus" -eq 0 ]; then
+  echo "error: no NVIDIA GPU visible (nvidia-smi -L); this check is for GPU machines" >&2
   exit 1
 fi
-echo "all GPU checks passed; runs and logs in $out"
+
+verdict() {  # step number, exit status of its command, what it ran
+  local word=passed
+  [ "$2" -eq 0 ] || word="FAILED (exit $2)"
+  echo "step $1: $word: $3" | tee -a "$results/verdicts.txt"
+  return "$2"
+}
+
+model() {  # a random-weight model of a known shape (benchmark/random_model.py), built once under $work
+  "$PYTHON" benchmark/random_model.py "$1" "$work/$1-random${2:+-$2}" ${2:+--head $2} | tail -1
+}
+
+bench() {  # name, script, then its flags: the reference batch; GPU memory polled every 0.5 s meanwhile
+  local name=$1 script=$2
+  shift 2
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$results/$name.memory.log" &
+  local poller=$!
+  "$PYTHON" "$script" --model "$(model qwen2.5-0.5b)" --exp-name "$name" --output-dir "$work/$name" \
+    --num-steps "$steps" --prompts-per-step 64 --max-response-length 512 --gradient-checkpointing \
+    --max-tokens-per-micro-batch 16384 --eval-dataset "" --learning-rate 1e-6 --warmup-steps 0 "$@" \
+    2>&1 | tee "$results/$name.log"
+  local rc=${PIPESTATUS[0]}
+  kill $poller 2>/dev/null
+  if [ "$rc" -eq 0 ]; then
+    "$PYTHON" benchmark/gpu_report.py "$(ls -d "$work/$name/$name"__* | tail -1)" --memory "$results/$name.memory.log" \
+      | tee "$results/$name.md"
+  fi
+  return "$rc"
+}
+
+case "$step" in
+0)
+  {
+    nvidia-smi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$PYTHON" -c "import sys, torch, vllm, ray, transformers; print('python', sys.version.split()[0], '| torch',
+torch.__version__, 'cuda', torch.version.cuda, '| vllm', vllm.__version__, '| ray', ray.__version__, '| transformers',
+transformers.__version__, '| GPUs seen by torch:', torch.cuda.device_count())"
+  } 2>&1 | tee "$results/0-environment.txt"
+  "$PYTHON" -c "$pinned" 2>&1 | tail -1
+  verdict 0 "${PIPESTATUS[0]}" "environment ($gpus GPU(s), $PYTHON)"
+  ;;
+1)
+  "$PYTHON" -m pytest tests -m "engine or cpu_engine or gpu" -rs --durations=15 2>&1 | tee "$results/1-tests.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 5 ] && rc=0
+  verdict 1 "$rc" "tests on the device ($(grep -Eo '[0-9]+ (passed|failed|skipped)' "$results/1-tests.log" | paste -sd, -))"
+  ;;
+2)
+  "$PYTHON" grpo.py --num-steps 3 --output-dir "$work/smoke" 2>&1 | tee "$results/2-smoke.log"
+  verdict 2 "${PIPESTATUS[0]}" "grpo.py, 3 steps, built-in model, default flags ($(grep -m1 '^layout:' "$results/2-smoke.log"))"
+  ;;
+3)
+  bench colocated grpo.py --num-generations 8 --colocate
+  verdict 3 $? "reference benchmark, colocated on one GPU ($results/colocated.md)"
+  ;;
+4)
+  if [ "$gpus" -lt 2 ]; then
+    echo "step 4: skipped: needs 2 GPUs, this machine has $gpus" | tee -a "$results/verdicts.txt"
+    exit 0
+  fi
+  bench split grpo.py --num-generations 8 --num-trainers 1 --num-engines 1 && \
+    bench async grpo_async.py --num-generations 8 --num-trainers 1 --num-engines 1
+  rc=$?
+  "$PYTHON" benchmark/gpu_report.py "$work"/split/split__* "$work"/async/async__* >"$results/4-split-async.md" 2>&1
+  verdict 4 $rc "the same batch split over 2 GPUs, and grpo_async.py ($results/4-split-async.md)"
+  ;;
+5)
+  CUDA_VISIBLE_DEVICES=0 bench hybrid ppo.py --samples-per-prompt 2 --max-response-length 256 --reward-model "$(model qwen2.5-0.5b score)" \
+    --dataset data/arithmetic/prompts_train.jsonl
+  verdict 5 $? "ppo.py hybrid engine on one GPU: policy, critic, reward model and vLLM ($results/hybrid.md)"
+  ;;
+report)
+  cat "$results/verdicts.txt" 2>/dev/null || echo "no step has run yet (results: $results)"
+  grep -h "^python " "$results/0-environment.txt" 2>/dev/null
+  for f in colocated 4-split-async hybrid; do
+    if [ -f "$results/$f.md" ]; then
+      printf '\n### %s\n' "$f"
+      cat "$results/$f.md"
+    fi
+  done
+  exit 0
+  ;;
+*)
+  echo "error: unknown step $step (0-5 or report)" >&2
+  exit 2
+  ;;
+esac

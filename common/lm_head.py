@@ -9,9 +9,10 @@ log-sum-exp, and recomputes a chunk's logits in the backward pass:
     ∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t)
 The values are those of the plain computation (same matmul in the model's dtype, fp32 from the logits on).
 
-The head runs inside the model's forward (so FSDP2 gathers and frees its weight as usual): `install` turns the
-model's nn.Linear LM head into a `LogprobHead` (same parameter, same name, same checkpoints), which returns
-logits as before, or, inside `token_logprobs(model, labels, T)`, the log-probabilities of `labels`.
+The head runs inside the model's forward (so FSDP2 gathers and frees its weight as usual): `token_logprobs(model,
+labels, T)` turns the model's nn.Linear LM head into a `LogprobHead` on first use (`install`: same parameter,
+same name, same checkpoints), which returns logits as before, and, inside that block, the log-probabilities of
+`labels`.
 """
 
 from contextlib import contextmanager
@@ -32,27 +33,33 @@ class TokenLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             z = (hidden[s : s + chunk] @ weight.T).float() / temperature  # (c, V)
             z_y = z.gather(1, labels[s : s + chunk, None]).squeeze(1)
-            out[s : s + chunk] = torch.log_softmax(z, dim=-1).gather(1, labels[s : s + chunk, None]).squeeze(1)
+            logp = torch.log_softmax(z, dim=-1)
+            out[s : s + chunk] = logp.gather(1, labels[s : s + chunk, None]).squeeze(1)
             lse[s : s + chunk] = z_y - out[s : s + chunk]  # logsumexp(z), for the backward
-        ctx.save_for_backward(hidden, weight, labels, lse)
+        # One chunk holds every token: keep its log-probabilities rather than recompute them in the backward
+        ctx.save_for_backward(hidden, weight, labels, lse, logp if hidden.shape[0] <= chunk else None)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, labels, lse = ctx.saved_tensors
+        hidden, weight, labels, lse, logp = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = None  # accumulated in fp32 over the chunks
         for s in range(0, hidden.shape[0], chunk):
             h, g = hidden[s : s + chunk], grad[s : s + chunk, None]
-            z = (h @ weight.T).float() / T  # recomputed: (c, V)
-            dz = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g)  # -g softmax(z) ...
+            if logp is None:  # recomputed: (c, V)
+                logp = ((h @ weight.T).float() / T).sub_(lse[s : s + chunk, None])
+            dz = logp.exp_().mul_(-g)  # -g softmax(z) ...
+            logp = None
             dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # ... + g onehot(y), through z = W h / T
             if grad_hidden is not None:
                 grad_hidden[s : s + chunk] = dz.to(weight.dtype) @ weight
-            grad_weight += dz.T @ h.float()
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+            h = h.float()
+            grad_weight = dz.T @ h if grad_weight is None else grad_weight.addmm_(dz.T, h)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None
 
 
@@ -81,6 +88,8 @@ def install(model) -> None:
 def token_logprobs(model, labels: torch.Tensor, temperature: float = 1.0):
     """Within this block, the model's forward returns as `logits` the (N,) log-probabilities of `labels` (one per
     kept position of its one packed row, see compute_logprobs in the scripts) instead of logits."""
+    if not isinstance(model.get_output_embeddings(), LogprobHead):
+        install(model)
     head = model.get_output_embeddings()
     head.targets = (labels, temperature)
     try:

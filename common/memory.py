@@ -228,12 +228,14 @@ def check(job: Job, capacity: float | None) -> tuple[Job, str]:
     return job, f"memory plan: {describe(worst, capacity)}: fits{note}"
 
 
-def check_run(args, use_gpu: bool, policy: str, reference: bool, critic: str | None = None,
+def check_run(args, use_gpu: bool, policy: str, reference: bool | None = None, critic: str | None = None,
               reward_model: str | None = None, head: str = "lm") -> bool:  # fmt: skip
     """Plan a script's run on GPU (its flags by their usual names; `policy` etc. are model folders), print the
-    plan's line, refuse it if it cannot fit. Returns whether idle models are offloaded. On CPU: nothing."""
+    plan's line, refuse it if it cannot fit. Returns whether idle models are offloaded. On CPU: nothing.
+    `reference`: the trainers hold a frozen copy of the policy (default: when the script has --kl-coef > 0)."""
     if not use_gpu:
         return False
+    reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
     job = Job(
         policy=shape_of(policy, head), trainers=args.num_trainers, tokens=args.max_tokens_per_micro_batch,
         sp=args.sp_size, checkpointing=args.gradient_checkpointing, reference=reference, lm_head=head == "lm",

@@ -379,7 +379,7 @@ def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
     vllm_like = encode_prompt(tokenizer, prompt) + tokenizer(response, add_special_tokens=False).input_ids
     vllm_like += [tokenizer.eos_token_id]  # what vLLM returns for a finished response
     assert vllm_like != trained and trained[: len(vllm_like)] == vllm_like  # the template adds after the EOS
-    scorer = ppo.RewardModel.__ray_actor_class__(tiny_model)  # in-process, frozen, as ppo.py runs it
+    scorer = ppo.RewardModel.__ray_actor_class__(tiny_model, False)  # in-process, frozen, as ppo.py runs it
     torch.nn.init.normal_(scorer.model.score.weight)
     ids = torch.tensor([trained])
     as_rm = rm.compute_rewards(scorer.model, ids, torch.arange(len(trained))[None])  # rm.py's reading

@@ -155,7 +155,7 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
     args = module.Args(learning_rate=1e-3)
     nan = float("nan")
     if name == "ppo-critic":
-        actor = module.Critic.__ray_actor_class__(args, tiny_model, 0, 1, addr, port)
+        actor = module.Critic.__ray_actor_class__(args, tiny_model, False, 0, 1, addr, port)
         seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[1.0] * 2, returns=[nan] * 2,
                                    old_values=[0.0] * 2, loss_weights=[0.5] * 2)  # fmt: skip
         call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731

@@ -3,11 +3,16 @@ flash-attn is chosen only where it runs, the weight push waits for the optimizer
 cache, and a colocated trainer hands its cached memory back before the engine wakes."""
 
 import importlib
+import os
+import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
 import tyro
+from conftest import REPO
 
 from common import model as common_model
 from common.data import split_for_ranks
@@ -120,3 +125,38 @@ def test_colocated_trainer_frees_cuda_cache_after_train_step(monkeypatch, one_ra
     trainer.args.colocate = False
     trainer.train_step(micro_batches, 1)
     assert not freed  # not colocated: the cache stays, the next step reuses it
+
+
+def test_engines_log_vllm_warnings_less_the_known_ones(tmp_path):
+    """vLLM's logging as the engines configure it (common/vllm_logging.json): a warning reaches the output, an info
+    line does not, and a known one (a deliberate setting, a check made precise elsewhere) is dropped."""
+    code = (
+        "import json, logging, logging.config, sys\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        f"logging.config.dictConfig(json.load(open({os.path.join(REPO, 'common', 'vllm_logging.json')!r})))\n"
+        "log = logging.getLogger('vllm.model_executor.model_loader.reload.layerwise')\n"
+        "log.warning('Something new went wrong'); log.info('an info line')\n"
+        "log.warning('RotaryEmbedding: Failed to load weights')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Something new went wrong" in out.stdout and "WARNING" in out.stdout
+    assert "an info line" not in out.stdout and "Failed to load weights" not in out.stdout
+
+
+def test_gpu_check_has_its_steps_and_refuses_without_a_gpu(tmp_path):
+    """benchmark/gpu_check.sh: steps 0-5 and `report`, each one a case of the script; on a machine without a GPU
+    a step stops with one line, and an unknown step is named."""
+    script = os.path.join(REPO, "benchmark", "gpu_check.sh")
+    with open(script) as f:
+        text = f.read()
+    assert re.findall(r"^(\w+)\)$", text, re.M) == ["0", "1", "2", "3", "4", "5", "report"]
+    env = dict(os.environ, PYTHON=sys.executable, WORK=str(tmp_path), PATH=f"{tmp_path}:{os.environ['PATH']}")
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # whatever this machine has: no GPU here
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    out = subprocess.run(["bash", script, "3"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "error: no NVIDIA GPU visible (nvidia-smi -L); this check is for GPU machines"
+    ]
+    out = subprocess.run(["bash", script, "report"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0

@@ -47,13 +47,13 @@ def test_compute_logprobs_through_an_fsdp2_model_equals_the_formula_it_replaced(
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     model = grpo.load_policy(tiny_model, torch.device("cpu"), gradient_checkpointing=False)
-    assert isinstance(model.lm_head, lm_head.LogprobHead)
     torch.manual_seed(1)
     ids = torch.randint(0, 1000, (1, 40))
     positions, labels = torch.arange(40)[None], torch.roll(ids, -1, 1)
     mask = (torch.arange(40) >= 12).long()[None]
 
     logprobs = grpo.compute_logprobs(model, ids, positions, labels, mask, 0.8)
+    assert isinstance(model.lm_head, lm_head.LogprobHead)  # installed on first use, the same parameter
     logprobs.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

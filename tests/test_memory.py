@@ -143,3 +143,37 @@ def test_a_parked_model_trains_on_as_before(one_rank_group, tiny_model):
                 memory.to_host(model, optimizer)
                 memory.to_device(model, optimizer, torch.device("cpu"))
     assert losses[True] == losses[False] and losses[True][0] != losses[True][-1]
+
+
+@pytest.mark.gpu
+def test_a_parked_model_gives_its_gpu_memory_back(one_rank_group, tiny_model):
+    """On the GPU: to_host frees the weights' and AdamW's memory (all but a few MiB of it), to_device brings it back
+    and training goes on exactly as without the round trip (same seed, same losses)."""
+    import torch.distributed as dist
+
+    import grpo
+
+    addr, port = one_rank_group
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    losses = {}
+    for moved in (False, True):
+        torch.manual_seed(0)
+        model = grpo.load_policy(tiny_model, torch.device("cuda", 0), gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[moved] = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[moved].append(loss.item())
+            if moved:
+                held = torch.cuda.memory_allocated()
+                memory.to_host(model, optimizer)
+                states = sum(p.numel() for p in model.parameters()) * 12  # fp32 weights + AdamW's two moments
+                assert held - torch.cuda.memory_allocated() >= 0.9 * states
+                memory.to_device(model, optimizer, torch.device("cuda", 0))
+        del model, optimizer
+    assert losses[True] == losses[False]

@@ -41,7 +41,8 @@ class StandIn:
         resources = ctx.get_assigned_resources()
         return {"node": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(), "gpus": resources.get("GPU", 0.0),
                 "cpus": resources.get("CPU", 0.0), "started_at": self.started_at,
-                "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
+                "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}  # fmt: skip
 
 
 class Trainer(StandIn):  # Ray names actors by class: the errors below name the role
@@ -107,11 +108,21 @@ def short_start_timeout(monkeypatch):
     monkeypatch.setattr(placement, "START_TIMEOUT_S", SCHEDULE_S)
 
 
+@pytest.fixture(autouse=True)
+def gpus_are_logical(monkeypatch):
+    """The test command hides CUDA (CUDA_VISIBLE_DEVICES=""), and Ray refuses logical GPUs beside an empty
+    CUDA_VISIBLE_DEVICES; the stand-ins never touch CUDA, so the variable can go."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 @pytest.fixture(scope="module")
 def logical_gpus():
+    hidden = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # see gpus_are_logical
     ray.init(num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR", runtime_env=TESTS_ON_PATH)
     yield
     ray.shutdown()
+    if hidden is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = hidden
 
 
 def test_one_gpu_colocated(logical_gpus):
@@ -134,10 +145,16 @@ def test_actors_without_a_gpu_see_no_cuda(logical_gpus):
             assert where["cuda_visible"] == ",".join(map(str, where["gpu_ids"])) != "", (role, where)
 
 
-def test_two_gpus_split(logical_gpus):
+def test_two_gpus_split(logical_gpus, monkeypatch):
+    """Also: the engines log vLLM's warnings through the project's logging config, and the driver's VLLM_*
+    settings reach them (the documented fallback to vLLM's previous model runner among them)."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     placed = place(Layout(True, trainers=1, engines=1))
     assert shares(placed, "trainer") == [(0, 1.0, 1.0)]
     assert shares(placed, "engine") == [(1, 1.0, 1.0)]
+    env = placed["engine"][0][1]["vllm_env"]
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert env["VLLM_LOGGING_CONFIG_PATH"] == os.path.join(REPO, "common", "vllm_logging.json")
 
 
 def test_eight_gpus_four_trainers_two_tp2_engines(logical_gpus):
