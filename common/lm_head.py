@@ -29,7 +29,7 @@ class TokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, temperature: float):
         chunk = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(out)
+        lse, logp = torch.empty_like(out), None
         for s in range(0, hidden.shape[0], chunk):
             z = (hidden[s : s + chunk] @ weight.T).float() / temperature  # (c, V)
             z_y = z.gather(1, labels[s : s + chunk, None]).squeeze(1)

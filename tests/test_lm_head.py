@@ -68,6 +68,15 @@ def test_compute_logprobs_through_an_fsdp2_model_equals_the_formula_it_replaced(
         assert (grads[name] - p.grad).abs().max() <= 1e-5 * max(1.0, p.grad.abs().max().item()), name
 
 
+def test_no_tokens_at_all():
+    """A rank's share of a row under ring attention can hold no response token: (0,) out, zero gradients."""
+    hidden, weight = torch.randn(0, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    out = lm_head.TokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0)
+    out.sum().backward()
+    assert out.shape == (0,) and hidden.grad.shape == (0, 16)
+    assert weight.grad is None or not weight.grad.any()
+
+
 def test_install_refuses_a_head_it_cannot_compute():
     class Model(torch.nn.Module):
         def __init__(self):
