@@ -1,7 +1,7 @@
 # The README's two commands. Each first sets up .venv with the pinned stack for this machine (scripts/setup.sh;
 # instant when it is already there).
 #   make demo   run the main job on the built-in model and data
-#   make test   run the test suite in its two tiers (scripts/test.sh; the GPU tier runs only where CUDA is visible)
+#   make test   run the test suite (scripts/test.sh; two tiers and the GPU tier where CUDA is visible)
 PY := .venv/bin/python
 
 .PHONY: setup demo test

@@ -1,20 +1,23 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al. 2025, arXiv 2503.14476).
 
-For every prompt q, sample a group of G responses o_1..o_G from the current policy, score them with a rule
-verifier, and use the group itself as the baseline (no value network):
-    Â_i = (r_i - mean(r_1..r_G)) / std(r_1..r_G)                       same advantage for every token of o_i
-    J(θ) = 1/Σ_i|o_i| Σ_i Σ_t min(ρ_it Â_i, clip(ρ_it, 1-ε_low, 1+ε_high) Â_i),  groups of unequal r_i
+For every prompt q, sample a group of G responses o_1..o_G from the current policy, score them with
+a rule verifier, and use the group itself as the baseline (no value network):
+    Â_i = (r_i - mean(r_1..r_G)) / std(r_1..r_G)              the same for every token of o_i
+    J(θ) = 1/Σ_i|o_i| Σ_i Σ_t min(ρ_it Â_i, clip(ρ_it, 1-ε_low, 1+ε_high) Â_i),  unequal r_i
     ρ_it = π_θ(o_it | q, o_i,<t) / π_θold(o_it | q, o_i,<t)
-Responses are sampled by vLLM engines (Ray actors) whose numerics differ slightly from the trainer's; truncated
-importance sampling (TIS, Yao et al. 2025) reweights each token by min(π_θold / π_vllm, C). After every step
-the trainers push their weights to the engines through vLLM's weight-transfer API.
+Responses are sampled by vLLM engines (Ray actors) whose numerics differ slightly from the
+trainer's; truncated importance sampling (TIS, Yao et al. 2025) reweights each token by min(π_θold /
+π_vllm, C). After every step the trainers push their weights to the engines through vLLM's
+weight-transfer API.
 
 Run it:
-    python dapo.py                                                 # built-in model and arithmetic task, CPU/GPU
-    python dapo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k:main --eval-dataset openai/gsm8k:main \\
-        --max-response-length 512 --prompts-per-step 64 --colocate       # 1 GPU: trainer and vLLM share it
-    python dapo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main --num-trainers 4 \\
-        --num-engines 4 --max-response-length 1024 --prompts-per-step 128   # 8 GPUs: 4 train, 4 generate
+    python dapo.py                                    # built-in model and arithmetic task, CPU/GPU
+    python dapo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k:main \\
+        --eval-dataset openai/gsm8k:main --max-response-length 512 --prompts-per-step 64 \\
+        --gradient-checkpointing                           # 1 GPU: trainer and vLLM share it
+    python dapo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main \\
+        --num-trainers 4 --num-engines 4 --max-response-length 1024 \\
+        --prompts-per-step 128                            # 8 GPUs: 4 train, 4 generate
 """
 
 import math
@@ -23,7 +26,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import ray
 import torch
@@ -31,33 +34,19 @@ import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import memory
-from common.checks import call_reward, check_output_dir, check_ranges, check_tracking, check_weights
-from common.data import InputError, encode_prompt, load_function, load_rows, split_for_ranks, validate_rows
+# Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
+# call says where it lives. The names below are what the math, the actor and the loop use.
+from common import checkpoint, data, memory, models, placement, tracking, weight_sync
+from common.data import response_values
 from common.engines import generate, spawn_engines
+from common.errors import InputError, check_ranges
 from common.lm_head import token_logprobs
-from common.model import (
-    BUILTIN_MODEL,
-    attn_implementation,
-    empty_model,
-    load_optimizer,
-    load_weights,
-    resolve_model,
-    save_checkpoint,
-)
-from common.placement import (
-    Layout,
-    call,
-    choose_layout,
-    init_distributed,
-    init_ray,
-    make_placement_group,
-    rendezvous_address,
-    spawn_trainers,
-)
+from common.models import attn_implementation, empty_model, load_weights
+from common.placement import call
+from common.rewards import call_reward
 from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
-from common.tracking import Run, check_resume
-from common.weight_sync import choose_backend, init_weight_sync, sync_weights
+from common.tracking import Run
+from common.weight_sync import sync_weights
 
 
 @dataclass
@@ -65,7 +54,7 @@ class Args:
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
-    seed: int = 1
+    seed: Annotated[int, ">= 0"] = 1
     """seed of model init, data order and sampling"""
     track: bool = False
     """log metrics to Weights & Biases"""
@@ -75,16 +64,17 @@ class Args:
     """folder for run directories"""
     resume: str | None = None
     """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
-    save_every: int = 0
+    save_every: Annotated[int, ">= 0"] = 0
     """save a resumable checkpoint every N steps (0: only the final model)"""
-    eval_every: int = 10
+    eval_every: Annotated[int, ">= 1"] = 10
     """evaluate every N steps, and before the first and after the last"""
 
     # Model and data
-    model: str = BUILTIN_MODEL
+    model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
     dataset: str = "data/arithmetic/prompts_train.jsonl"
-    """prompts: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`answer` or `question`+`answer`"""
+    """prompts: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`answer` or
+    `question`+`answer`"""
     dataset_split: str = "train"
     """split to read when --dataset is a hub id"""
     eval_dataset: str = "data/arithmetic/prompts_test.jsonl"
@@ -92,113 +82,121 @@ class Args:
     eval_split: str = "test"
     """split to read when --eval-dataset is a hub id"""
     reward_fn: str | None = None
-    """your own reward, `path/to/file.py:function`, called as function(response: str, answer: str) -> float"""
-    reward_timeout: float = 30.0
-    """seconds one reward call may take; a slower one stops the run, naming the function, the step and the row"""
-    max_prompt_length: int = 256
+    """your own reward, `path/to/file.py:function`, called as
+    function(response: str, answer: str) -> float"""
+    reward_timeout: Annotated[float, "> 0"] = 30.0
+    """seconds one reward call may take; a slower one stops the run, naming the function, the step,
+    the row"""
+    max_prompt_length: Annotated[int, ">= 1"] = 256
     """longest prompt in tokens"""
-    max_response_length: int = 24
+    max_response_length: Annotated[int, ">= 1"] = 24
     """longest response in tokens (generation stops there)"""
     drop_long: bool = False
     """drop prompts longer than --max-prompt-length instead of stopping with an error"""
 
     # Resources
-    num_trainers: int = 1
+    num_trainers: Annotated[int, ">= 1"] = 1
     """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
-    sp_size: int = 1
-    """ring attention: split every packed row over this many ranks (--num-trainers = data-parallel x sp-size)"""
-    num_engines: int = 1
+    sp_size: Annotated[int, ">= 1"] = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers = DP x
+    --sp-size)"""
+    num_engines: Annotated[int, ">= 1"] = 1
     """vLLM engines (Ray actors) generating rollouts"""
-    engine_tp: int = 1
+    engine_tp: Annotated[int, ">= 1"] = 1
     """tensor-parallel GPUs per engine"""
     colocate: bool = False
-    """GPU only: trainer rank i and engine i share GPU i; vLLM sleeps while the trainers train"""
-    engine_memory: float | None = None
-    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache (default 1)"""
+    """GPU: trainer rank i and engine i share GPU i, vLLM sleeping while the trainers train (the
+    default when there are too few GPUs to give each its own)"""
+    engine_memory: Annotated[float | None, "> 0"] = None
+    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache
+    (default 1)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
 
     # Algorithm
-    num_generations: int = 8
-    """G: responses sampled per prompt (the group)"""
-    temperature: float = 1.0
+    num_generations: Annotated[int, ">= 2"] = 8
+    """G: responses sampled per prompt (the group: at least 2, it is the baseline)"""
+    temperature: Annotated[float, "> 0"] = 1.0
     """sampling temperature; the trainer scores tokens at the same temperature"""
-    top_p: float = 1.0
+    top_p: Annotated[float, "> 0, <= 1"] = 1.0
     """nucleus sampling"""
-    clip_eps_low: float = 0.2  # DAPO (clip-higher): ε_high > ε_low lets rare tokens grow (vs entropy collapse, §3.1)
+    clip_eps_low: Annotated[float, "> 0, < 1"] = 0.2  # DAPO (clip-higher): §3.1
     """ε_low: the ratio π_θ / π_θold is clipped below at 1 - ε_low"""
-    clip_eps_high: float = 0.28
-    """ε_high: the ratio π_θ / π_θold is clipped above at 1 + ε_high"""
-    # DAPO (no-kl): no β and no reference model: the policy is meant to move far from the start model (§2.3)
-    tis_cap: float = 2.0
+    clip_eps_high: Annotated[float, "> 0"] = 0.28
+    """ε_high: the ratio is clipped above at 1 + ε_high (> ε_low: rare tokens can grow)"""
+    # DAPO (no-kl): no β, no reference model: the policy may move far from the start (§2.3)
+    tis_cap: Annotated[float, ">= 1"] = 2.0
     """C: cap of the truncated importance weight π_θold / π_vllm"""
-    num_minibatches: int = 1
+    num_minibatches: Annotated[int, ">= 1"] = 1
     """optimizer steps per rollout batch (the batch is split into this many minibatches)"""
-    num_epochs: int = 1
+    num_epochs: Annotated[int, ">= 1"] = 1
     """μ: passes over each rollout batch"""
-    max_sampling_rounds: int = 3  # DAPO (dynamic-sampling): the cap on sampling rounds per step (§3.2)
-    """most rounds of --prompts-per-step fresh prompts x G per step, to fill the batch with groups of unequal rewards"""
-    overlong_buffer: int = 6  # DAPO (overlong-punishment): L_cache of the soft overlong punishment (§3.4)
-    """L_cache: reward penalty from 0 at --max-response-length minus L_cache tokens down to -1 at the limit (0: off)"""
+    max_sampling_rounds: Annotated[int, ">= 1"] = 3  # DAPO (dynamic-sampling): §3.2
+    """most sampling rounds a step (each --prompts-per-step prompts x G): unequal groups fill it"""
+    overlong_buffer: Annotated[int, ">= 0"] = 6  # DAPO (overlong-punishment): §3.4
+    """L_cache: a reward penalty from 0, L_cache tokens before the limit, to -1 at it (0: off)"""
 
     # Optimization
-    num_steps: int = 10  # DAPO (dynamic-sampling): a step samples up to 3 rounds; 10 fit grpo.py's CPU time budget
+    num_steps: Annotated[int, ">= 1"] = 10  # DAPO (dynamic-sampling): up to 3 rounds a step
     """rollout + training steps"""
-    prompts_per_step: int = 6
+    prompts_per_step: Annotated[int, ">= 1"] = 6
     """prompts per rollout batch (each sampled G times)"""
-    max_tokens_per_micro_batch: int | None = None
-    """token budget of one packed micro-batch on one rank (default: 512, or one longest prompt + response if more;
-    raise it on GPU); gradients accumulate over micro-batches"""
-    learning_rate: float = 2e-5
+    max_tokens_per_micro_batch: Annotated[int | None, ">= 1"] = None
+    """token budget of one packed micro-batch on one rank (default: 512, or one longest prompt +
+    response if more; raise it on GPU); gradients accumulate over micro-batches"""
+    learning_rate: Annotated[float, "> 0"] = 2e-5
     """peak learning rate of AdamW"""
-    warmup_steps: int = 2
+    warmup_steps: Annotated[int, ">= 0"] = 2
     """linear warm-up steps, then cosine decay"""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
     """the cosine decays to learning_rate * min_lr_ratio"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, ">= 0"] = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
 
-# ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
+# ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
 def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
+    head).
 
-    The model is built on the meta device and sharded before any weight exists; then rank 0 reads the checkpoint
-    and broadcasts it, each rank keeping only its shard (common/model.py). Master weights stay fp32; on GPU the
-    forward/backward run in bf16 and gradients are reduced in fp32.
+    The model is built on the meta device and sharded before any weight exists; then rank 0 reads
+    the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
+    weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    mp = MixedPrecisionPolicy()  # fp32 on CPU
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
-    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     load_weights(model, AutoModelForCausalLM, path, device)
     return model
 
 
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
 
-    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
-    positions go through the LM head, a chunk of them at a time (common/lm_head.py): the (N, vocab) logits never
-    exist at once, in the forward or the backward. Returns (N,) fp32.
+    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
+    the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
+    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t), not logits
-        out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t)
+        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
     return out.logits  # (N,)
 
 
 def reward_fn(response: str, answer: str) -> float:
     """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
 
-    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in the response;
-    other answers (LaTeX, fractions) go through math-verify.
+    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in
+    the response; other answers (LaTeX, fractions) go through math-verify.
     """
     answer = answer.split("####")[-1].strip().replace(",", "")
     if re.fullmatch(r"-?\d+", answer):
@@ -209,30 +207,32 @@ def reward_fn(response: str, answer: str) -> float:
     return float(verify(parse(answer), parse(response)))
 
 
+# ALGO LOGIC: the advantages, which groups to train on, the loss and how it is aggregated.
 def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages: (B*G,) rewards, grouped by prompt -> (B*G,) Â_i = (r_i - mean) / (std + eps).
-
-    A group whose rewards are all equal gets zero advantage: it carries no learning signal.
+    """Group-normalised advantages: (B*G,) rewards, grouped by prompt -> (B*G,) Â_i = (r_i - mean) /
+    (std + eps). A group whose rewards are all equal gets zero advantage: it carries no learning
+    signal.
     """
     r = rewards.view(-1, group_size)  # (B, G)
     advantages = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
-    # Exactly 0 for an all-equal group: in float32 its mean can be one ulp off, and std ≈ 0 would magnify that
+    # Exactly 0 for an all-equal group: in fp32 its mean can be an ulp off, and std ≈ 0 magnifies it
     return torch.where((r == r[:, :1]).all(dim=1, keepdim=True), 0.0, advantages).view(-1)
 
 
 def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Which groups to train on, (B,) bool. DAPO keeps only those whose verifier scores are not all equal."""
-    return (rewards.view(-1, group_size).diff(dim=1) != 0).any(dim=1)  # DAPO (dynamic-sampling): Â = 0, no gradient
+    """Which groups to train on, (B,) bool. DAPO keeps those whose verifier scores differ."""
+    return (rewards.view(-1, group_size).diff(dim=1) != 0).any(dim=1)  # DAPO (dynamic-sampling)
 
 
 def sample_groups(draw, num_groups: int, group_size: int, max_rounds: int):
-    """DAPO §3.2: draw(k) -> (groups, rewards, verifier scores) for k = 0, 1, ... until num_groups pass keep_groups
-    or k = max_rounds; all drawn + kept. Groups are kept on accuracy (the scores), not on the length penalty."""
+    """DAPO §3.2: draw(k) -> (groups, rewards, verifier scores) for k = 0, 1, ... until num_groups
+    pass keep_groups (on accuracy, not the length penalty) or k = max_rounds; all drawn + kept."""
     groups, rewards, kept = [], [], []
     for k in range(max_rounds):
         new_groups, new_rewards, new_scores = draw(k)
         keep = keep_groups(new_scores, group_size)
-        keep &= keep.cumsum(0) <= num_groups - sum(int(x.sum()) for x in kept)  # a full batch takes no more
+        have = sum(int(x.sum()) for x in kept)
+        keep &= keep.cumsum(0) <= num_groups - have  # a full batch takes no more
         groups, rewards, kept = groups + new_groups, rewards + [new_rewards], kept + [keep]
         if sum(int(x.sum()) for x in kept) == num_groups:
             break
@@ -240,41 +240,52 @@ def sample_groups(draw, num_groups: int, group_size: int, max_rounds: int):
 
 
 def overlong_penalty(length: int, args: Args) -> float:
-    """DAPO §3.4 eq. 13, added to the reward: 0 up to L_max - L_cache tokens, then linearly down to -1 at L_max."""
+    """DAPO §3.4 eq. 13, a reward term: 0 up to L_max - L_cache tokens, then down to -1 at L_max."""
     L_max, L_cache = args.max_response_length, args.overlong_buffer
     return -min(1.0, max(0.0, (length - (L_max - L_cache)) / L_cache)) if L_cache else 0.0
 
 
-def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps_low: float, clip_eps_high: float):
-    """Per-token clipped surrogate, negated for minimisation; all (N,). Also returns where the clip was active."""
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # ρ; the clamp keeps e^x finite (inf·0 = NaN)
+def uses_reference(args: Args) -> bool:
+    """Whether the trainers hold a frozen reference π_ref: only for the KL term."""
+    return False  # DAPO (no-kl): no KL term, no reference
+
+
+def compute_policy_loss(logprobs, old_logprobs, advantages, eps_low: float, eps_high: float):
+    """Per-token clipped surrogate (negated: a loss), all (N,); also where the clip was active. The
+    ratio is clipped to [1 - ε_low, 1 + ε_high]; GRPO's range is symmetric (ε_low = ε_high = ε)."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # ρ, finite (inf·0 would be NaN)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages  # DAPO (clip-higher): asymmetric
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     return -torch.min(unclipped, clipped), clipped < unclipped
 
 
 # DAPO (no-kl): grpo.py's compute_kl (k3 KL to the reference model) is gone with the KL term.
 
 
-def loss_weights(response_lengths: list[int]) -> list[list[float]]:
-    """DAPO's aggregation: every token of the minibatch weighs the same, whatever the length of its response,
-    L = 1/Σ_i|o_i| Σ_i Σ_t ℓ_it, written as one weight per token so packed micro-batches on any number of
-    ranks add up to exactly this."""
-    total = sum(response_lengths)  # DAPO (token-level-loss): long responses are not down-weighted per token (§3.3)
+def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
+    """DAPO's aggregation over one minibatch: every token weighs the same, whatever its response's
+    length, L = 1/Σ_i|o_i| Σ_i Σ_t ℓ_it (§3.3).
+    One weight per token, so packed micro-batches on any number of ranks add up to exactly this."""
+    total = sum(response_lengths)  # DAPO (token-level-loss): long responses are not down-weighted
     return [[1.0 / total] * length for length in response_lengths]
 
 
-def compute_loss(logprobs, old_logprobs, engine_logprobs, advantages, weights, args: Args, ref_logprobs=None):
-    """The loss on one micro-batch's response tokens (all inputs (N,)), and its per-token stats to sum:
-        L = Σ_t w_t min(π_θold / π_vllm, C) · clipped surrogate_t     DAPO (no-kl): no β KL_k3,t; ref_logprobs is None
-    TIS: the tokens were sampled by vLLM, whose numerics differ from the trainer's, not by π_θold itself; each
-    token is reweighted by its capped likelihood ratio. w_t are loss_weights (the aggregation over responses).
+def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
+    """The loss on one micro-batch's response tokens, and its per-token stats to sum:
+        L = Σ_t w_t min(π_θold / π_vllm, C) · clipped surrogate_t      DAPO (no-kl): no β KL_k3,t
+    logprobs (N,) are π_θ's; `values` holds the micro-batch's other per-token values, (N,) each:
+    those the loop gave make_sequence (advantages, engine_logprobs), the aggregation's loss_weights
+    w_t, old_logprobs (π_θold) and, with a reference, ref_logprobs. TIS: the tokens were sampled by
+    vLLM, whose numerics differ from the trainer's, not by π_θold itself; each token is reweighted
+    by its capped likelihood ratio.
     """
-    tis = torch.exp(old_logprobs - engine_logprobs).clamp(max=args.tis_cap)
-    pg_loss, clipped = compute_policy_loss(logprobs, old_logprobs, advantages, args.clip_eps_low, args.clip_eps_high)
-    token_loss = tis * pg_loss  # DAPO (no-kl): no β KL term; (clip-higher): ε_low and ε_high above
+    old = values["old_logprobs"]
+    tis = torch.exp(old - values["engine_logprobs"]).clamp(max=args.tis_cap)
+    eps = (args.clip_eps_low, args.clip_eps_high)  # DAPO (clip-higher): [1 - ε_low, 1 + ε_high]
+    pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], *eps)
+    token_loss = tis * pg_loss  # DAPO (no-kl): no β KL term
     stats = {"clipped_tokens": clipped.sum(), "tis_sum": tis.sum()}
-    return (token_loss * weights).sum(), stats
+    return (token_loss * values["loss_weights"]).sum(), stats
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -286,21 +297,77 @@ def lr_at(step: int, args: Args) -> float:
     return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
+# ALGO LOGIC: what each step logs (docs/grpo.md lists every key).
+def rollout_metrics(rewards: torch.Tensor, responses: list[dict], group_size: int) -> dict:
+    """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
+    reward: the spread inside groups and the share of groups every sample solved, or none did (those
+    two carry no signal: Â = 0)."""
+    grouped, lengths = rewards.view(-1, group_size), [len(s["token_ids"]) for s in responses]
+    return {
+        "rollout/reward": rewards.mean().item(),
+        "rollout/reward_std": grouped.std(dim=1).mean().item(),
+        "rollout/solved_all": (grouped.min(dim=1).values == 1).float().mean().item(),
+        "rollout/solved_none": (grouped.max(dim=1).values == 0).float().mean().item(),
+        "rollout/response_length": sum(lengths) / len(lengths),
+        "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses)
+        / len(responses),
+    }
+
+
+def train_metrics(results: list[dict], args: Args) -> dict:
+    """From the trainer ranks' sums (each rank its share of tokens; grad norm and lr are global)."""
+    total = defaultdict(float)
+    for rank in results:
+        for key in ("loss", "tokens", "clipped_tokens", "tis_sum", "logprob_diff_sum", "kl_sum"):
+            total[key] += rank.get(key, 0.0)
+    updates = args.num_minibatches * args.num_epochs  # each update's loss is a mean: average them
+    metrics = {
+        "train/loss": total["loss"] / updates,
+        # tokens whose ratio left [1-ε, 1+ε] the way Â pushes it (the clip cut their gradient)
+        "train/clipfrac": total["clipped_tokens"] / total["tokens"],
+        # mean TIS weight min(π_θold / π_vllm, C): 1 when the trainer and vLLM agree on every token
+        "train/tis_weight": total["tis_sum"] / total["tokens"],
+        "train/grad_norm": results[0]["grad_norms"] / updates,
+        "train/lr": results[0]["lr"],
+        # |log π_θold - log π_vllm| before any update (the first epoch): float noise when the
+        # engines hold the trainer's weights, far more when they serve stale ones
+        "train/logprob_diff_mean": total["logprob_diff_sum"] / (total["tokens"] / args.num_epochs),
+        "train/logprob_diff_max": max(rank.get("logprob_diff_max", 0.0) for rank in results),
+    }
+    return metrics  # DAPO (no-kl): no train/kl
+
+
+def time_metrics(times: tuple, generated_tokens: int, trained_tokens: int) -> dict:
+    """Seconds per phase from the step's (start, generated, trained, synced) times; throughput."""
+    t0, t_gen, t_train, t_sync = times
+    return {
+        "time/generate": t_gen - t0,
+        "time/train": t_train - t_gen,
+        "time/sync": t_sync - t_train,
+        "time/step": t_sync - t0,
+        "perf/generate_tokens_per_s": generated_tokens / (t_gen - t0),
+        "perf/train_tokens_per_s": trained_tokens / (t_train - t_gen),
+    }
+
+
+# TRY NOT TO MODIFY: the data plumbing the loop and the actor share.
 def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
     """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
 
-    A pure function of the step, so --resume replays exactly the order an uninterrupted run would have seen.
+    A pure function of the step, so --resume replays exactly the order an uninterrupted run would
+    have seen.
     """
     rows = []
     for pos in range(step * batch_size, (step + 1) * batch_size):
         epoch, i = divmod(pos, num_rows)
-        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        rows.append(int(perm[i]))
+        epoch_seed = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        rows.append(int(torch.randperm(num_rows, generator=epoch_seed)[i]))
     return rows
 
 
 class Prompt(NamedTuple):
-    """A prompt of the dataset: its token ids, reference answer, text as written, and row (from 1) in its file."""
+    """A dataset prompt: its token ids, reference answer, text as written, and row (from 1) in its
+    file."""
 
     ids: list[int]
     answer: str
@@ -311,12 +378,15 @@ class Prompt(NamedTuple):
 def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
     """One training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
 
-    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that predict response
-    tokens, so they line up with what compute_logprobs (and ppo.py's compute_values) return for the masked positions.
+    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that
+    predict response tokens, so they line up with what compute_logprobs (and ppo.py's
+    compute_values) return for the masked positions; in the actor, `response_values` reads them back
+    as (N,) tensors, one per name.
     """
     ids = prompt + response
     pad = [0.0] * (len(prompt) - 1)
-    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": [0] * (len(prompt) - 1) + [1] * len(response) + [0]}
+    mask = [0] * (len(prompt) - 1) + [1] * len(response) + [0]
+    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask}
     for key, values in per_response.items():
         seq[key] = pad + list(values) + [0.0]
     return seq
@@ -325,301 +395,166 @@ def make_sequence(prompt: list[int], response: list[int], **per_response) -> dic
 # TRY NOT TO MODIFY: the trainer actor (one per rank).
 @ray.remote
 class Trainer:
-    def __init__(self, args: Args, model_path: str, rank: int, world_size: int, addr: str, port: int):
-        self.args, self.rank, self.world_size = args, rank, world_size
-        self.device = init_distributed(rank, world_size, addr, port)
+    def __init__(self, args: Args, model_path: str, rank: int, world: int, addr: str, port: int):
+        self.args, self.rank, self.world_size = args, rank, world
+        self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
-        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        self.ref = None  # DAPO (no-kl): no frozen reference model (the lines that use it below never run)
+        self.ref = None
+        if uses_reference(args):  # the frozen reference π_ref
+            self.ref = load_policy(model_path, self.device, gradient_checkpointing=False)
+            self.ref.eval().requires_grad_(False)
+            enable_ring_attention(self.ref, self.sp.group)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
+            self.model.parameters(),
+            args.learning_rate,
+            betas=(0.9, 0.95),
+            weight_decay=args.weight_decay,
         )
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines' dtype
-        self.weight_sync = init_weight_sync(
-            self.model, self.tokenizer, engines, backend, self.rank, (addr, port), self.args.engine_tp, dtype
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines'
+        sender, tp = (self.rank, (addr, port)), self.args.engine_tp
+        self.weight_sync = weight_sync.init_weight_sync(
+            self.model, self.tokenizer, engines, backend, *sender, tp, dtype
         )
 
     def push_weights(self):
         self.weight_sync.push()
 
     def check_weights(self):
-        self.weight_sync.check()  # the engines serve what was pushed, or an error names the one that does not
+        self.weight_sync.check()  # the engines serve what was pushed, or the run stops naming one
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
-        """num_epochs passes, one optimizer step per minibatch of micro-batches. Returns sums for the driver."""
+        """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums to the
+        driver."""
         args, stats = self.args, defaultdict(float)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; each token's loss is on one rank.
-        minibatches = [
-            [
-                shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
-                for mb in mini
-            ]
-            for mini in minibatches
-        ]
-        micro_batches = [mb for mini in minibatches for mb in mini]
+        # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
+        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]
         one_update = args.num_minibatches * args.num_epochs == 1
         with torch.no_grad():
-            for mb in micro_batches:
-                inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature)
+            for mb in [mb for mini in minibatches for mb in mini]:
+                # every per-token value the loop gave make_sequence, at the response tokens
+                mb["values"] = values = response_values(mb)
+                inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
                 if self.ref is not None:
-                    mb["ref_logprobs"] = compute_logprobs(self.ref, *inputs)
+                    values["ref_logprobs"] = compute_logprobs(self.ref, *inputs, args.temperature)
                 if not one_update:  # π_θold: the policy before this step's first update
-                    mb["old_logprobs"] = compute_logprobs(self.model, *inputs)
+                    values["old_logprobs"] = compute_logprobs(self.model, *inputs, args.temperature)
         self.model.train()
         for epoch in range(args.num_epochs):
             for mini in minibatches:
                 for i, mb in enumerate(mini):
-                    # Reduce-scatter gradients only after the minibatch's last micro-batch; until then accumulate.
+                    # reduce-scatter gradients after the minibatch's last micro-batch only
                     self.model.set_requires_gradient_sync(i == len(mini) - 1)
-                    m = mb["loss_mask"][0].bool()  # the response tokens: where compute_logprobs returns values
-                    logprobs = compute_logprobs(
-                        self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature
-                    )  # (N,)
-                    # One update per rollout: this forward *is* π_θold, so the ratio is exactly 1.
-                    old_logprobs = logprobs.detach() if one_update else mb["old_logprobs"]
-                    engine_logprobs = mb["engine_logprobs"][0, m]
-                    advantages, weights = mb["advantages"][0, m], mb["loss_weights"][0, m]
-                    loss, token_stats = compute_loss(
-                        logprobs, old_logprobs, engine_logprobs, advantages, weights, args, mb.get("ref_logprobs")
-                    )
-                    # loss_scale: 1, or 0 for a filler micro-batch that only keeps the ranks' collectives in step
+                    inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+                    logprobs = compute_logprobs(self.model, *inputs, args.temperature)  # (N,)
+                    values = dict(mb["values"])
+                    if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
+                        values["old_logprobs"] = logprobs.detach()
+                    loss, token_stats = compute_loss(logprobs, values, args)
+                    # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
                     real = mb["loss_scale"].item()
                     loss = loss * mb["loss_scale"]
-                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
+                    (loss * self.world_size).backward()  # FSDP averages over ranks: undo it
                     stats["loss"] += loss.item()
-                    stats["tokens"] += m.sum().item() * real
+                    stats["tokens"] += len(logprobs) * real
                     for key, value in token_stats.items():
                         stats[key] += value.item() * real
-                    if epoch == 0 and real and m.any():  # before any update: trainer vs engine on the same weights
-                        diff = (old_logprobs - engine_logprobs).abs()
+                    if epoch == 0 and real and len(logprobs):  # trainer vs engine, the same weights
+                        diff = (values["old_logprobs"] - values["engine_logprobs"]).abs()
                         stats["logprob_diff_sum"] += diff.sum().item()
-                        stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
-                    raise FloatingPointError(
-                        f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-                    )
-                stats["grad_norms"] += grad_norm.item()  # the global norm: the same on every rank
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        if self.args.colocate:  # hand the cached activation memory back: the colocated engine wakes up next
+                        stats["logprob_diff_max"] = max(
+                            stats["logprob_diff_max"], diff.max().item()
+                        )
+                stats["grad_norms"] += self.optimizer_step(step)
+        if self.args.colocate:  # hand the cached memory back: the colocated engine wakes up next
             torch.cuda.empty_cache()
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         return dict(stats)
 
+    def local_part(self, mb: dict) -> dict:
+        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks."""
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        return shard_micro_batch(mb, self.sp.rank, self.sp.size)
+
+    def optimizer_step(self, step: int) -> float:
+        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
+        every rank before the update, so the weights are never NaN. Returns the norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
+
     def save(self, path: str, step: int, with_optimizer: bool):
-        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
+        # every rank gathers its shards, rank 0 writes
+        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
 
     def load_optimizer(self, path: str):
-        load_optimizer(self.model, self.optimizer, path)
-
-
-def score_responses(reward_function, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
-    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards), prompt-major.
-
-    A reward function that raises, hangs or returns a non-number stops the run, naming the prompt row and sample.
-    """
-    n = len(outs[0])
-    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in outs for s in group]
-    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
-    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
-    return texts, torch.tensor(call_reward(reward_function, pairs, where, args.reward_timeout, labels))
-
-
-def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list[list[dict]]]:
-    """The step's (prompt, response, token values) in a seeded shuffle, dealt into --num-minibatches minibatches;
-    each gets its loss weights and is packed for the data-parallel groups. Returns shares[rank][minibatch] =
-    that rank's micro-batches (the --sp-size ranks of a group get the same share)."""
-    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
-    minis = [[sequences[j] for j in order[k :: args.num_minibatches]] for k in range(args.num_minibatches)]
-    shares = [[] for _ in range(args.num_trainers)]
-    for mini in minis:
-        weights = loss_weights([len(response) for _, response, _ in mini])
-        seqs = [make_sequence(p, r, loss_weights=w, **values) for (p, r, values), w in zip(mini, weights)]
-        micros = split_for_ranks(seqs, args.num_trainers // args.sp_size, args.max_tokens_per_micro_batch)
-        for rank in range(args.num_trainers):
-            shares[rank].append(micros[rank // args.sp_size])
-    return shares
-
-
-def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
-    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style rows
-    (`question` + `answer`) become a user message."""
-    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
-    if args.eval_dataset:
-        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
-    for split, (rows, source) in datasets.items():
-        if rows and "prompt" not in rows[0] and "question" in rows[0]:
-            rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
-        validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
-        datasets[split] = (rows, source)
-    return datasets
-
-
-def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
-    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run, naming the
-    first, or with --drop-long are left out."""
-    ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
-    if too_long and not args.drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
-            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
-        )
-    prompts = [
-        Prompt(p, str(r.get("answer")), r["prompt"], row)
-        for row, (p, r) in enumerate(zip(ids, rows), 1)
-        if len(p) <= args.max_prompt_length
-    ]
-    if not prompts:
-        raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
-    return prompts
-
-
-def validate_args(args: Args) -> None:
-    """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
-
-    Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
-    """
-    check_ranges(
-        args,
-        {
-            ">= 0": "seed save_every warmup_steps weight_decay",
-            ">= 1": "eval_every max_prompt_length max_response_length num_trainers sp_size num_engines engine_tp "
-            "tis_cap num_minibatches num_epochs num_steps prompts_per_step max_tokens_per_micro_batch",
-            "> 0": "reward_timeout engine_memory temperature learning_rate max_grad_norm",
-            "> 0, <= 1": "top_p",
-            ">= 0, <= 1": "min_lr_ratio",
-        },
-    )
-    check_ranges(args, {"> 0, < 1": "clip_eps_low", "> 0": "clip_eps_high"})  # DAPO (clip-higher)
-    check_ranges(args, {">= 1": "max_sampling_rounds"})  # DAPO (dynamic-sampling)
-    check_ranges(args, {f">= 0, < {args.max_response_length}": "overlong_buffer"})  # DAPO (overlong-punishment)
-    if args.num_generations < 2:
-        raise InputError("--num-generations must be at least 2: the group is the baseline")
-    if args.sp_size < 1 or args.num_trainers % args.sp_size:
-        raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
-    if (args.prompts_per_step * args.num_generations) % (args.num_minibatches * dp_size):
-        raise InputError(
-            "--prompts-per-step x --num-generations must divide into --num-minibatches x data-parallel groups"
-        )
-    if args.colocate and (args.engine_tp != 1 or args.num_engines != args.num_trainers):
-        raise InputError(
-            "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and --num-engines = --num-trainers"
-        )
-    longest = args.max_prompt_length + args.max_response_length
-    if args.max_tokens_per_micro_batch is None:
-        args.max_tokens_per_micro_batch = max(512, longest)
-    if args.max_tokens_per_micro_batch < longest:
-        raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
-
-
-def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
-    """The checks that need the file system or the machine (validate_args needs neither): the output dir or the
-    run to resume (same script and model, a whole checkpoint), the wandb login, enough GPUs. Returns whether
-    to use GPUs, and (run dir, checkpoint, step) of the run to resume or None."""
-    resume = check_resume(args.resume, args, script) if args.resume else None
-    if not args.resume:
-        check_output_dir(args.output_dir)
-    check_tracking(args.track)
-    pairs = args.engine_tp == 1 and args.num_engines == args.num_trainers  # engine i may share rank i's GPU
-    use_gpu, args.colocate = choose_layout(  # one GPU: colocated (it prints the layout)
-        args.num_trainers + args.num_engines * args.engine_tp, args.num_trainers if pairs else None, args.colocate
-    )
-    if use_gpu and (args.engine_memory or 0) > 1:
-        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
-    return use_gpu, resume
-
-
-def start_actors(args: Args, use_gpu: bool, model_path: str) -> tuple[list, list]:
-    """Start Ray, place the trainers and engines (common/placement.py's Layout), load `model_path` in both (the
-    model, or the checkpoint to resume), and connect them for the weight sync. Returns (trainers, engines)."""
-    layout = Layout(use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate)
-    init_ray(len(layout.bundles))
-    pg = make_placement_group(layout.bundles, use_gpu)
-    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, model_path)
-    backend = choose_backend(use_gpu, args.colocate)
-    engines = spawn_engines(
-        pg,
-        layout.engines,
-        model_path=model_path,
-        seed=args.seed,
-        backend=backend,
-        tp=args.engine_tp,
-        max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu,
-        sleep_mode=args.colocate,
-        memory=args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0),
-    )
-    addr, port = rendezvous_address(pg, 0)  # on trainer rank 0's node: it is the sender
-    call(trainers, "init_weight_sync", engines, backend, addr, port)
-    return trainers, engines
+        checkpoint.load_optimizer(self.model, self.optimizer, path)
 
 
 def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
+    # ---- check everything cheap, then start Ray and the actors (SETUP AND CHECKS, below) ----
     validate_args(args)
     G = args.num_generations  # the group size
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
-    reward_function = load_function(args.reward_fn) if args.reward_fn else reward_fn
-    datasets = read_prompt_rows(args)
-    answer = str(datasets["train"][0][0]["answer"])  # a broken reward function should fail now, not after a rollout
-    call_reward(reward_function, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
-    model_path = resolve_model(args.model)
-    check_weights(model_path, "model")
-    memory.check_run(args, use_gpu, model_path)  # a run that cannot fit stops here
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = {split: encode_prompts(rows, source, tokenizer, args) for split, (rows, source) in datasets.items()}
-
-    # ---- start Ray, place trainers and engines, connect them for weight sync ----
+    model_path, tokenizer, prompts, reward_function = prepare_inputs(args, use_gpu)
     trainers, engines = start_actors(args, use_gpu, resume_ckpt or model_path)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  G: {G}")
-
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
 
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        outs = generate(engines, [p.ids for p in prompts["eval"]], n=1, temperature=0.0, **sampling)  # greedy
-        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
+        ids = [p.ids for p in prompts["eval"]]
+        outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
+        where = f"eval at step {step}"
+        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, where, args)
         return {"eval/accuracy": rewards.mean().item()}
-
-    def rollout(step: int, k: int) -> tuple:  # DAPO (dynamic-sampling): fresh prompts per round, seeded per round
-        draw = step * args.max_sampling_rounds + k  # pure in the step (exact --resume); unused rounds' prompts skipped
-        batch = [train[i] for i in batch_rows(draw, len(train), args.prompts_per_step, args.seed)]
-        outs = generate(engines, [p.ids for p in batch], n=G, temperature=args.temperature, draw=draw, **sampling)
-        texts, scores = score_responses(reward_function, batch, outs, tokenizer, f"step {step + 1}", args)  # (B*G,)
-        penalties = torch.tensor([overlong_penalty(len(s["token_ids"]), args) for group in outs for s in group])
-        texts = [texts[i * G : (i + 1) * G] for i in range(len(batch))]
-        return list(zip(batch, outs, texts)), scores + penalties, scores  # DAPO (overlong-punishment): in the reward
 
     console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
 
-    def end_step(done: int, metrics: dict, batch: list[Prompt], texts: list[str], rewards: torch.Tensor):
-        """Evaluate (every --eval-every steps and after the last), log the metrics and the first two groups as
-        samples, and save a resumable checkpoint every --save-every steps."""
+    def end_step(done: int, metrics: dict, batch: list, texts: list[str], rewards: torch.Tensor):
+        """Evaluate (every --eval-every steps and after the last), log the metrics and the first two
+        groups as samples, and save a resumable checkpoint every --save-every steps."""
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
-        samples = [(batch[i // G], texts[i], rewards[i].item()) for i in range(min(len(texts), 2 * G))]
-        run.log_samples(
-            done, [{"prompt": p.text, "response": t, "answer": p.answer, "reward": r} for p, t, r in samples]
-        )
+        rows = [
+            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
+             "reward": rewards[i].item()}
+            for i in range(min(len(texts), 2 * G))
+        ]  # fmt: skip
+        run.log_samples(done, rows)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             call(trainers, "save", run.checkpoint_dir(done), done, True)
+
+    # DAPO (dynamic-sampling): round k of a step; the length penalty joins the reward, not the score
+    def rollout(step: int, k: int) -> tuple:
+        draw = step * args.max_sampling_rounds + k  # fresh prompts and seeds, pure in the step
+        batch = [train[i] for i in batch_rows(draw, len(train), args.prompts_per_step, args.seed)]
+        ids, where = [p.ids for p in batch], f"step {step + 1}"
+        outs = generate(engines, ids, n=G, temperature=args.temperature, draw=draw, **sampling)
+        texts, scores = score_responses(reward_function, batch, outs, tokenizer, where, args)
+        penalties = [overlong_penalty(len(s["token_ids"]), args) for group in outs for s in group]
+        texts = [texts[i * G : (i + 1) * G] for i in range(len(batch))]
+        return list(zip(batch, outs, texts)), scores + torch.tensor(penalties), scores
 
     # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     first = evaluate(0) if resume_step == 0 else {}
@@ -629,80 +564,223 @@ def main(args: Args):
     train = prompts["train"]
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
-        groups, rewards, kept, rounds = sample_groups(  # DAPO (dynamic-sampling): M groups, (M*G,) rewards, (M,) kept
-            lambda k, step=step: rollout(step, k), args.prompts_per_step, G, args.max_sampling_rounds
+        groups, rewards, kept, rounds = sample_groups(  # DAPO (dynamic-sampling)
+            lambda k, s=step: rollout(s, k), args.prompts_per_step, G, args.max_sampling_rounds
         )
-        batch, outs, texts = [g[0] for g in groups], [g[1] for g in groups], [t for g in groups for t in g[2]]
-        # DAPO (overlong-filtering): truncated responses are left out of the loss (their reward still counts in Â)
-        kept = kept.repeat_interleave(G) & torch.tensor([s["finish_reason"] != "length" for o in outs for s in o])
-        sampled = {  # DAPO (dynamic-sampling): rounds used, groups trained, prompts of unused rounds skipped
+        batch, outs = [g[0] for g in groups], [g[1] for g in groups]
+        texts = [t for g in groups for t in g[2]]
+        # DAPO (overlong-filtering): truncated responses leave the loss (their reward counts in Â)
+        ended = torch.tensor([s["finish_reason"] != "length" for o in outs for s in o])
+        kept = kept.repeat_interleave(G) & ended
+        sampled = {  # DAPO (dynamic-sampling): rounds used, groups trained, unused rounds' prompts
             "rollout/sampling_rounds": rounds,
             "rollout/kept_groups": int(kept.view(-1, G).any(dim=1).sum()),
             "rollout/prompts_skipped": (args.max_sampling_rounds - rounds) * args.prompts_per_step,
         }
-        if not kept.any():  # DAPO (dynamic-sampling): the cap came first: no update this step, the rest as usual
-            end_step(step + 1, metrics := {"rollout/reward": rewards.mean().item(), **sampled}, batch, texts, rewards)
+        if not kept.any():  # DAPO (dynamic-sampling): the cap came first: no update this step
+            metrics = {"rollout/reward": rewards.mean().item(), **sampled}
+            end_step(step + 1, metrics, batch, texts, rewards)
             continue
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
         t_gen = time.time()
 
-        # ALGO LOGIC: rewards and advantages, per group
+        # ALGO LOGIC: rewards and advantages, per group; the values each trained token carries
         responses = [s for group in outs for s in group]  # (B*G,) prompt-major
-        # DAPO (dynamic-sampling): texts, rewards and kept come from sample_groups
-        advantages = compute_advantages(rewards, G)
-        lengths = [len(s["token_ids"]) for s in responses]
-
+        advantages = compute_advantages(rewards, G)  # DAPO (dynamic-sampling): rewards, kept above
         sequences = []
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
-            token_values = {"advantages": [advantages[i].item()] * lengths[i], "engine_logprobs": s["logprobs"]}
-            sequences.append((batch[i // G].ids, s["token_ids"], token_values))
-        results = call(trainers, "train_step", step, per_rank=plan_minibatches(sequences, step, args))
+            values = {"advantages": [advantages[i].item()] * len(s["token_ids"])}
+            values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
+            sequences.append((batch[i // G].ids, s["token_ids"], values))
+        shares = plan_minibatches(sequences, step, args)  # with loss_weights: the aggregation
+        results = call(trainers, "train_step", step, per_rank=shares)
         t_train = time.time()
 
-        sync_weights(trainers, engines, args.colocate)  # wake (colocated), push, check: common/weight_sync.py
+        # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
+        sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ---- log ----
-        summed = ("loss", "tokens", "clipped_tokens", "tis_sum", "logprob_diff_sum")  # each rank's share
-        total = {k: sum(x.get(k, 0.0) for x in results) for k in summed}  # grad norm and lr: the same on every rank
-        grouped = rewards.view(-1, G)
-        num_updates = args.num_minibatches * args.num_epochs
-        train_tokens = sum(len(p) + len(resp) for p, resp, _ in sequences)
+        generated = sum(len(s["token_ids"]) for s in responses)
+        trained = sum(len(p) + len(r) for p, r, _ in sequences) * args.num_epochs
         metrics = {
-            "rollout/reward": rewards.mean().item(),
-            "rollout/reward_std": grouped.std(dim=1).mean().item(),
-            "rollout/solved_all": (grouped.min(dim=1).values == 1).float().mean().item(),
-            "rollout/solved_none": (grouped.max(dim=1).values == 0).float().mean().item(),
-            "rollout/response_length": sum(lengths) / len(lengths),
-            "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses) / len(responses),
-            "train/loss": total["loss"] / num_updates,
-            "train/clipfrac": total["clipped_tokens"] / total["tokens"],
-            "train/tis_weight": total["tis_sum"] / total["tokens"],
-            "train/grad_norm": results[0]["grad_norms"] / num_updates,
-            "train/lr": results[0]["lr"],
-            "train/logprob_diff_mean": total["logprob_diff_sum"] / (total["tokens"] / args.num_epochs),
-            "train/logprob_diff_max": max(x.get("logprob_diff_max", 0.0) for x in results),
-            "time/generate": t_gen - t0,
-            "time/train": t_train - t_gen,
-            "time/sync": t_sync - t_train,
-            "time/step": t_sync - t0,
-            "perf/generate_tokens_per_s": sum(lengths) / (t_gen - t0),
-            "perf/train_tokens_per_s": train_tokens * args.num_epochs / (t_train - t_gen),
-            **sampled,  # DAPO (dynamic-sampling); no train/kl
+            **rollout_metrics(rewards, responses, G),
+            **train_metrics(results, args),
+            **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
+            **sampled,  # DAPO (dynamic-sampling)
         }
         end_step(step + 1, metrics, batch, texts, rewards)
 
     # ---- teardown: final model in HF format ----
     call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
     if first and "eval/accuracy" in metrics:
-        run.print(
-            f"greedy accuracy on the held-out prompts: {first['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f}"
-        )
+        before, after = first["eval/accuracy"], metrics["eval/accuracy"]
+        run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
     run.print(f"final model: {run.checkpoint_dir('final')}")
     run.close()
     ray.shutdown()
+
+
+# TRY NOT TO MODIFY: the loop's plumbing.
+def score_responses(reward_function, batch: list, outs: list, tokenizer, where: str, args: Args):
+    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards),
+    prompt-major. A reward function that raises, hangs or returns a non-number stops the run, naming
+    the prompt row and sample.
+    """
+    n = len(outs[0])
+    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
+    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
+    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
+    rewards = call_reward(reward_function, pairs, where, args.reward_timeout, labels)
+    return texts, torch.tensor(rewards)
+
+
+def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list[list[dict]]]:
+    """The step's (prompt, response, token values) in a seeded shuffle, dealt into --num-minibatches
+    minibatches; each gets its loss weights (loss_weights: the aggregation) and is packed for the
+    data-parallel groups. Returns shares[rank][minibatch] = that rank's micro-batches (the --sp-size
+    ranks of a group get the same share)."""
+    seed, k = torch.Generator().manual_seed(args.seed + step), args.num_minibatches
+    order = torch.randperm(len(sequences), generator=seed).tolist()
+    shares, dp_size = [[] for _ in range(args.num_trainers)], args.num_trainers // args.sp_size
+    for mini in [[sequences[j] for j in order[i::k]] for i in range(k)]:
+        weights = loss_weights([len(response) for _, response, _ in mini], args)
+        seqs = [make_sequence(p, r, loss_weights=w, **v) for (p, r, v), w in zip(mini, weights)]
+        micros = data.split_for_ranks(seqs, dp_size, args.max_tokens_per_micro_batch)
+        for rank in range(args.num_trainers):
+            shares[rank].append(micros[rank // args.sp_size])
+    return shares
+
+
+# SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
+def validate_args(args: Args) -> None:
+    """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
+    work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
+    docstring's commands are checked by a test on any machine."""
+    check_ranges(args)
+    if args.num_trainers % args.sp_size:
+        raise InputError(
+            f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
+        )
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups (each splits rows over SP)
+    if (args.prompts_per_step * args.num_generations) % (args.num_minibatches * dp_size):
+        raise InputError(
+            "--prompts-per-step x --num-generations must divide into --num-minibatches x "
+            "data-parallel groups"
+        )
+    if args.colocate and (args.engine_tp != 1 or args.num_engines != args.num_trainers):
+        raise InputError(
+            "--colocate pairs engine i with trainer rank i: use --engine-tp 1 and "
+            "--num-engines = --num-trainers"
+        )
+    if args.overlong_buffer >= args.max_response_length:  # DAPO (overlong-punishment)
+        limit = args.max_response_length
+        raise InputError(f"--overlong-buffer must be < --max-response-length {limit}")
+    longest = args.max_prompt_length + args.max_response_length
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = max(512, longest)
+    if args.max_tokens_per_micro_batch < longest:
+        raise InputError(
+            f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)"
+        )
+
+
+def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
+    """The checks that need the file system or the machine: the output dir or the run to resume
+    (same script and model, a whole checkpoint), the wandb login, the GPUs and the layout (one GPU:
+    colocated, which it prints). Returns whether to use GPUs, and (run dir, checkpoint, step) to
+    resume or None."""
+    resume = checkpoint.check_resume(args.resume, args, script) if args.resume else None
+    if not args.resume:
+        tracking.check_output_dir(args.output_dir)
+    tracking.check_tracking(args.track)
+    apart = args.num_trainers + args.num_engines * args.engine_tp  # GPUs, every actor on its own
+    pairs = args.engine_tp == 1 and args.num_engines == args.num_trainers  # engine i: rank i's GPU
+    shared = args.num_trainers if pairs else None
+    use_gpu, args.colocate = placement.choose_layout(apart, shared, args.colocate)
+    if use_gpu and (args.engine_memory or 0) > 1:
+        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
+    return use_gpu, resume
+
+
+def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
+    """Read and check the data, the reward function (two test calls) and the model; plan the GPUs'
+    memory; tokenize. Returns (model folder, tokenizer, {split: [Prompt]}, reward function)."""
+    reward_function = data.load_function(args.reward_fn) if args.reward_fn else reward_fn
+    datasets = read_prompt_rows(args)
+    answer = str(datasets["train"][0][0]["answer"])  # a broken reward function fails now, not later
+    pairs = [("", answer), (answer, answer)]
+    call_reward(reward_function, pairs, "test calls before the run", args.reward_timeout)
+    model_path = models.resolve_model(args.model)
+    models.check_weights(model_path, "model")
+    memory.check_run(args, use_gpu, model_path, uses_reference(args))  # a run that cannot fit stops
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = {
+        split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()
+    }
+    return model_path, tokenizer, prompts, reward_function
+
+
+def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
+    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style
+    rows (`question` + `answer`) become a user message."""
+    datasets = {"train": data.load_rows(args.dataset, args.dataset_split)}
+    if args.eval_dataset:
+        datasets["eval"] = data.load_rows(args.eval_dataset, args.eval_split)
+    for split, (rows, source) in datasets.items():
+        if rows and "prompt" not in rows[0] and "question" in rows[0]:
+            asked = [[{"role": "user", "content": r["question"]}] for r in rows]
+            rows = [{"prompt": q, "answer": r.get("answer")} for q, r in zip(asked, rows)]
+        data.validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
+        datasets[split] = (rows, source)
+    return datasets
+
+
+def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
+    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run,
+    naming the first, or with --drop-long are left out."""
+    ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
+    if too_long and not args.drop_long:
+        raise InputError(
+            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
+            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass "
+            "--drop-long"
+        )
+    prompts = [
+        Prompt(p, str(r.get("answer")), r["prompt"], row)
+        for row, (p, r) in enumerate(zip(ids, rows), 1)
+        if len(p) <= args.max_prompt_length
+    ]
+    if not prompts:
+        raise InputError(
+            f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}"
+        )
+    return prompts
+
+
+def start_actors(args: Args, use_gpu: bool, model_path: str) -> tuple[list, list]:
+    """Start Ray, place the trainers and engines (common/placement.py's Layout), load `model_path`
+    in both (the model, or the checkpoint to resume), and connect them for the weight sync. Returns
+    (trainers, engines)."""
+    layout = placement.Layout(
+        use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate
+    )
+    placement.init_ray(len(layout.bundles))
+    pg = placement.make_placement_group(layout.bundles, use_gpu)
+    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, model_path)
+    backend = weight_sync.choose_backend(use_gpu, args.colocate)
+    engines = spawn_engines(
+        pg, layout.engines, model_path=model_path, seed=args.seed, backend=backend,
+        tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
+        use_gpu=use_gpu, sleep_mode=args.colocate,
+        memory=memory.engine_memory(args) if use_gpu else 1.0,
+    )  # fmt: skip
+    addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
+    call(trainers, "init_weight_sync", engines, backend, addr, port)
+    return trainers, engines
 
 
 if __name__ == "__main__":

@@ -1,23 +1,27 @@
-"""DPO: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), with IPO and cDPO.
+"""DPO: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), with IPO and
+cDPO.
 
-RLHF with a KL-regularised reward has a closed-form optimal policy, so the reward can be written through the
-policy itself: r(x, y) = β log π_θ(y|x) / π_ref(y|x) (+ a term of x alone, which cancels in a pair). Putting
-that into the Bradley-Terry likelihood of preference pairs (x, chosen y_c, rejected y_r) gives a classification
-loss on the policy, with no reward model and no sampling:
-    Δ_c = log π_θ(y_c|x) - log π_ref(y_c|x),  Δ_r = the same for y_r,  h = Δ_c - Δ_r      (sums over response tokens)
+RLHF with a KL-regularised reward has a closed-form optimal policy, so the reward can be written
+through the policy itself: r(x, y) = β log π_θ(y|x) / π_ref(y|x) (+ a term of x alone, which cancels
+in a pair). Putting that into the Bradley-Terry likelihood of preference pairs (x, chosen y_c,
+rejected y_r) gives a classification loss on the policy, with no reward model and no sampling:
+    Δ_c = log π_θ(y_c|x) - log π_ref(y_c|x),  Δ_r = the same for y_r,  h = Δ_c - Δ_r
+                                                      (log π(y|x): sums over response tokens)
     DPO:   L = -log σ(β h)
-    cDPO:  L = -(1 - ε) log σ(β h) - ε log σ(-β h)        labels flipped with probability ε (conservative DPO)
-    IPO:   L = (h - 1/(2β))²                              (Azar et al. 2023, arXiv 2310.12036, eq. 17)
-averaged over the pairs of a batch. π_ref is the frozen starting model; each trainer rank holds an FSDP2 shard
-of both, and computes the reference logprobs of every batch in a no-grad forward.
+    cDPO:  L = -(1 - ε) log σ(β h) - ε log σ(-β h)    labels flipped with probability ε
+    IPO:   L = (h - 1/(2β))²                          (Azar et al. 2023, arXiv 2310.12036, eq. 17)
+averaged over the pairs of a batch. π_ref is the frozen starting model; each trainer rank holds an
+FSDP2 shard of both, and computes the reference logprobs of every batch in a no-grad forward.
 
 Run it:
-    python dpo.py                                              # built-in model and arithmetic pairs, CPU or GPU
+    python dpo.py                                     # built-in model and arithmetic pairs, CPU/GPU
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \\
         --eval-dataset trl-lib/ultrafeedback_binarized --accuracy-dataset "" --max-length 1024 \\
-        --max-tokens-per-micro-batch 8192 --batch-size 64 --num-steps 500 --learning-rate 5e-7   # 1 GPU
-    python dpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset my_pairs.jsonl --num-trainers 8 --ipo \\
-        --batch-size 128 --max-tokens-per-micro-batch 16384 --gradient-checkpointing   # 8 GPUs, IPO loss
+        --max-tokens-per-micro-batch 8192 --batch-size 64 --num-steps 500 \\
+        --learning-rate 5e-7                           # 1 GPU
+    python dpo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset my_pairs.jsonl --num-trainers 8 \\
+        --ipo --batch-size 128 --max-tokens-per-micro-batch 16384 \\
+        --gradient-checkpointing                       # 8 GPUs, IPO loss
 """
 
 import math
@@ -25,6 +29,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 import ray
 import torch
@@ -33,38 +38,15 @@ import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import memory
-from common.checks import check_output_dir, check_ranges, check_tracking, check_weights
-from common.data import (
-    InputError,
-    check_pairs,
-    encode_example,
-    encode_prompt,
-    load_rows,
-    split_for_ranks,
-    validate_rows,
-)
+# Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
+# call says where it lives. The names below are what the math, the actor and the loop use.
+from common import checkpoint, data, memory, models, placement, ring_attn, tracking
+from common.errors import InputError, check_ranges
 from common.lm_head import token_logprobs
-from common.model import (
-    BUILTIN_MODEL,
-    attn_implementation,
-    empty_model,
-    load_optimizer,
-    load_weights,
-    resolve_model,
-    save_checkpoint,
-)
-from common.placement import (
-    Layout,
-    call,
-    choose_layout,
-    init_distributed,
-    init_ray,
-    make_placement_group,
-    spawn_trainers,
-)
-from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, check_resume
+from common.models import attn_implementation, empty_model, load_weights
+from common.placement import call
+from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
+from common.tracking import Run
 
 
 @dataclass
@@ -72,7 +54,7 @@ class Args:
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
-    seed: int = 1
+    seed: Annotated[int, ">= 0"] = 1
     """seed of model init, data order and sampling"""
     track: bool = False
     """log metrics to Weights & Biases"""
@@ -82,16 +64,17 @@ class Args:
     """folder for run directories"""
     resume: str | None = None
     """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
-    save_every: int = 0
+    save_every: Annotated[int, ">= 0"] = 0
     """save a resumable checkpoint every N steps (0: only the final model)"""
-    eval_every: int = 10
+    eval_every: Annotated[int, ">= 1"] = 10
     """evaluate every N steps, and before the first and after the last"""
 
     # Model and data
-    model: str = BUILTIN_MODEL
-    """HF hub id, local HF folder, or the built-in offline model (also the frozen reference π_ref)"""
+    model: str = models.BUILTIN_MODEL
+    """HF hub id, local HF folder, or the built-in offline model (also π_ref, the frozen start)"""
     dataset: str = "data/arithmetic/prefs_train.jsonl"
-    """preference pairs: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`chosen`+`rejected`"""
+    """preference pairs: local .jsonl/.json/.parquet file or folder, or hub id[:config];
+    `prompt`+`chosen`+`rejected`"""
     dataset_split: str = "train"
     """split to read when --dataset is a hub id"""
     eval_dataset: str = "data/arithmetic/prefs_test.jsonl"
@@ -100,87 +83,92 @@ class Args:
     """split to read when --eval-dataset is a hub id"""
     accuracy_dataset: str = "data/arithmetic/prompts_test.jsonl"
     """held-out `prompt`+`answer` rows for greedy accuracy ("" to skip)"""
-    max_length: int = 512
+    max_length: Annotated[int, ">= 1"] = 512
     """longest sequence (prompt + one response) in tokens"""
     drop_long: bool = False
     """drop pairs longer than --max-length instead of stopping with an error"""
-    max_new_tokens: int = 32
+    max_new_tokens: Annotated[int, ">= 1"] = 32
     """generation budget of the greedy accuracy eval"""
 
     # Resources
-    num_trainers: int = 1
+    num_trainers: Annotated[int, ">= 1"] = 1
     """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
-    sp_size: int = 1
-    """ring attention: split every packed row over this many ranks (--num-trainers = data-parallel x sp-size)"""
+    sp_size: Annotated[int, ">= 1"] = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers = DP x
+    --sp-size)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
 
     # Algorithm
-    beta: float = 0.1
-    """β: strength of the implicit KL to π_ref (DPO: scale of the implicit reward; IPO: target margin 1/(2β))"""
-    label_smoothing: float = 0.0
+    beta: Annotated[float, "> 0"] = 0.1
+    """β: strength of the implicit KL to π_ref (DPO: scale of the implicit reward; IPO: target
+    margin 1/(2β))"""
+    label_smoothing: Annotated[float, ">= 0, < 0.5"] = 0.0
     """ε: cDPO, the chance that a pair's label is wrong (0: plain DPO; sigmoid loss only)"""
     ipo: bool = False
     """use the IPO loss (h - 1/(2β))² instead of DPO's -log σ(β h)"""
 
     # Optimization
-    num_steps: int = 16
+    num_steps: Annotated[int, ">= 1"] = 16
     """optimizer steps"""
-    batch_size: int = 8
+    batch_size: Annotated[int, ">= 1"] = 8
     """preference pairs per optimizer step, over all ranks"""
-    max_tokens_per_micro_batch: int | None = None
-    """token budget of one packed micro-batch on one rank (default: 1024, or one pair if more; raise it
-    on GPU); gradients accumulate over micro-batches"""
-    learning_rate: float = 2e-5
+    max_tokens_per_micro_batch: Annotated[int | None, ">= 1"] = None
+    """token budget of one packed micro-batch on one rank (default: 1024, or one pair if more;
+    raise it on GPU); gradients accumulate over micro-batches"""
+    learning_rate: Annotated[float, "> 0"] = 2e-5
     """peak learning rate of AdamW"""
-    warmup_steps: int = 2
+    warmup_steps: Annotated[int, ">= 0"] = 2
     """linear warm-up steps, then cosine decay"""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
     """the cosine decays to learning_rate * min_lr_ratio"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, ">= 0"] = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
 
-# ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
+# ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
 def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
+    head).
 
-    The model is built on the meta device and sharded before any weight exists; then rank 0 reads the checkpoint
-    and broadcasts it, each rank keeping only its shard (common/model.py). Master weights stay fp32; on GPU the
-    forward/backward run in bf16 and gradients are reduced in fp32.
+    The model is built on the meta device and sharded before any weight exists; then rank 0 reads
+    the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
+    weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    mp = MixedPrecisionPolicy()  # fp32 on CPU
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
-    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     load_weights(model, AutoModelForCausalLM, path, device)
     return model
 
 
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
 
-    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
-    positions go through the LM head, a chunk of them at a time (common/lm_head.py): the (N, vocab) logits never
-    exist at once, in the forward or the backward. Returns (N,) fp32.
+    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
+    the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
+    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t), not logits
-        out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t)
+        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
     return out.logits  # (N,)
 
 
 def reward_fn(response: str, answer: str) -> float:
     """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
 
-    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in the response;
-    other answers (LaTeX, fractions) go through math-verify.
+    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in
+    the response; other answers (LaTeX, fractions) go through math-verify.
     """
     answer = answer.split("####")[-1].strip().replace(",", "")
     if re.fullmatch(r"-?\d+", answer):
@@ -191,34 +179,54 @@ def reward_fn(response: str, answer: str) -> float:
     return float(verify(parse(answer), parse(response)))
 
 
+# ALGO LOGIC: a response's log-probability, the pair loss, and the learning rate.
 def sequence_logprobs(model, mb: dict, sp_group=None) -> torch.Tensor:
-    """log π(y|x) of every response in a packed micro-batch of pairs: the sum over its tokens. Returns (P, 2),
-    column 0 chosen, column 1 rejected (make_pair puts them in that order). With --sp-size k this rank holds
-    part of each row; sequence_sums adds the k partial sums."""
-    logprobs = compute_logprobs(model, mb["input_ids"], mb["positions"], mb["labels"], mb["loss_mask"])  # (N,)
+    """log π(y|x) of every response in a packed micro-batch of pairs: the sum over its tokens.
+    Returns (P, 2), column 0 chosen, column 1 rejected (make_pair puts them in that order). With
+    --sp-size k this rank holds part of each row; sequence_sums adds the k partial sums."""
+    inputs = (mb["input_ids"], mb["positions"], mb["labels"], mb["loss_mask"])
+    logprobs = compute_logprobs(model, *inputs)  # (N,)
     keep = mb["loss_mask"][0].bool()
-    return sequence_sums(logprobs, mb["seq_index"][0, keep], int(mb["num_seqs"]), sp_group).view(-1, 2)
+    num_seqs = int(mb["num_seqs"])
+    return sequence_sums(logprobs, mb["seq_index"][0, keep], num_seqs, sp_group).view(-1, 2)
 
 
-def compute_dpo_loss(chosen_logratios, rejected_logratios, beta: float, label_smoothing: float = 0.0, ipo=False):
-    """Per-pair loss from Δ = log π_θ(y|x) - log π_ref(y|x) of the chosen and rejected responses, all (P,).
+def compute_dpo_loss(
+    chosen_logratios, rejected_logratios, beta: float, label_smoothing=0.0, ipo=False
+):
+    """Per-pair loss from Δ = log π_θ(y|x) - log π_ref(y|x) of the chosen and rejected responses,
+    all (P,).
 
-    One loss, three documented variants of the same algorithm: DPO (ε = 0), cDPO (ε > 0), IPO (ipo=True; a
-    squared loss that stops pushing once the log-ratio gap reaches 1/(2β) instead of driving it to infinity).
+    One loss, three documented variants of the same algorithm: DPO (ε = 0), cDPO (ε > 0), IPO
+    (ipo=True; a squared loss that stops pushing once the log-ratio gap reaches 1/(2β) instead of
+    driving it to infinity).
     """
     h = chosen_logratios - rejected_logratios
     if ipo:
         return (h - 1 / (2 * beta)) ** 2
-    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    eps = label_smoothing
+    return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
 
 
 def compute_loss(logprobs, ref_logprobs, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO's loss on one micro-batch of pairs. logprobs, ref_logprobs: (P, 2) summed response log-probabilities
-    of (chosen, rejected) under π_θ and π_ref. Returns the per-pair losses (P,) and the implicit rewards β Δ
-    (P, 2); train_step sums the losses and divides by the pairs of the whole global batch."""
+    """DPO's loss on one micro-batch of pairs. logprobs, ref_logprobs: (P, 2) summed response
+    log-probabilities of (chosen, rejected) under π_θ and π_ref. Returns the per-pair losses (P,)
+    and the implicit rewards β Δ (P, 2); train_step sums the losses and divides by the pairs of the
+    whole global batch."""
     logratios = logprobs - ref_logprobs  # (P, 2) Δ
-    losses = compute_dpo_loss(logratios[:, 0], logratios[:, 1], args.beta, args.label_smoothing, args.ipo)
+    chosen, rejected = logratios[:, 0], logratios[:, 1]
+    losses = compute_dpo_loss(chosen, rejected, args.beta, args.label_smoothing, args.ipo)
     return losses, args.beta * logratios.detach()
+
+
+def compute_pair_losses(model, ref, mb: dict, args: Args, sp_group=None):
+    """The (P,) losses and (P, 2) implicit rewards of one packed micro-batch of pairs (this rank's
+    part of it): each response's log π(y|x) under π_θ and, without gradient, under π_ref, then
+    compute_loss. A loss that needs another per-response sum (a length, ...) gets it here, from
+    per-token values through sequence_sums as in sequence_logprobs."""
+    with torch.no_grad():
+        ref_logprobs = sequence_logprobs(ref, mb, sp_group)  # (P, 2)
+    return compute_loss(sequence_logprobs(model, mb, sp_group), ref_logprobs, args)
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -230,24 +238,58 @@ def lr_at(step: int, args: Args) -> float:
     return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
+# ALGO LOGIC: what each step logs (docs/dpo.md lists every key).
+def pair_stats(losses: torch.Tensor, rewards: torch.Tensor) -> dict:
+    """Sums over one micro-batch of pairs: the loss and the implicit rewards β Δ (P, 2) of chosen
+    and rejected; a pair is ranked right when its margin is > 0, a tie (h = 0, as at step 0) counts
+    half."""
+    margins = rewards[:, 0] - rewards[:, 1]
+    return {
+        "loss": losses.sum(),
+        "accuracy": (margins > 0).sum() + 0.5 * (margins == 0).sum(),
+        "margin": margins.sum(),
+        "chosen_reward": rewards[:, 0].sum(),
+        "rejected_reward": rewards[:, 1].sum(),
+        "pairs": len(losses),
+    }
+
+
+def pair_metrics(prefix: str, sums: list[dict], args: Args) -> dict:
+    """Means per pair from the ranks' sums (pair_stats): the loss, the share of pairs whose chosen
+    response has the higher implicit reward, the mean margin and the two rewards (the chosen one
+    should rise, the rejected one fall)."""
+    sums = sums[:: args.sp_size]  # the ranks of an SP group report the same pairs: count them once
+    n = sum(s["pairs"] for s in sums)
+    keys = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
+    return {f"{prefix}/{k}": sum(s[k] for s in sums) / n for k in keys}
+
+
+def time_metrics(elapsed: float, batch: list[dict]) -> dict:
+    """Seconds per step; throughput over every token trained on, prompts included."""
+    tokens = sum(len(s["input_ids"]) for s in batch)
+    return {"time/step": elapsed, "perf/tokens_per_s": tokens / elapsed}
+
+
+# TRY NOT TO MODIFY: the data plumbing and greedy generation.
 def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
     """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
 
-    A pure function of the step, so --resume replays exactly the order an uninterrupted run would have seen.
+    A pure function of the step, so --resume replays exactly the order an uninterrupted run would
+    have seen.
     """
     rows = []
     for pos in range(step * batch_size, (step + 1) * batch_size):
         epoch, i = divmod(pos, num_rows)
-        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        rows.append(int(perm[i]))
+        epoch_seed = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        rows.append(int(torch.randperm(num_rows, generator=epoch_seed)[i]))
     return rows
 
 
-def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> dict[str, list]:
-    """One packing unit from (ids, response mask) of prompt + chosen and of prompt + rejected, in that order, so a
-    pair never straddles micro-batches or ranks. Each half is shifted once, as in sft.py: position t predicts
-    labels[t] = ids[t+1], counted iff that is a response token. `positions` restart at the rejected half, so
-    the halves attend only to themselves."""
+def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> dict:
+    """One packing unit from (ids, response mask) of prompt + chosen and of prompt + rejected, in
+    that order, so a pair never straddles micro-batches or ranks. Each half is shifted once, as in
+    sft.py: position t predicts labels[t] = ids[t+1], counted iff that is a response token.
+    `positions` restart at the rejected half, so the halves attend only to themselves."""
     seq = {"input_ids": [], "labels": [], "loss_mask": [], "positions": []}
     for ids, mask in (chosen, rejected):
         seq["input_ids"] += ids
@@ -257,216 +299,135 @@ def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], li
     return seq
 
 
+def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, synced):
+    """Greedy completions of token-id prompts, batched: left-padded, so every prompt ends where
+    generation starts. Returns each completion's ids without EOS or padding. synced: the FSDP ranks
+    generate together (their collectives stay in step even when one finishes first)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width, device = max(len(p) for p in prompts), model.device
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    out = model.generate(input_ids=input_ids, attention_mask=mask, synced_gpus=synced, **greedy)
+    stop = {tokenizer.eos_token_id, pad}
+    return [[t for t in row[width:].tolist() if t not in stop] for row in out]
+
+
 # TRY NOT TO MODIFY: the trainer actor (one per rank).
 @ray.remote
 class Trainer:
-    def __init__(self, args: Args, model_path: str, ref_path: str, rank: int, world_size: int, addr: str, port: int):
-        self.args, self.rank, self.world_size = args, rank, world_size
-        self.device = init_distributed(rank, world_size, addr, port)
+    def __init__(self, args: Args, model_path: str, ref_path: str, rank, world, addr, port):
+        self.args, self.rank, self.world_size = args, rank, world
+        self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
-        # π_ref: the frozen starting model (also when resuming: the run's start, not the checkpoint).
-        self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False).eval().requires_grad_(False)
-        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        # π_ref: the frozen starting model (also when resuming: the run's start, not the checkpoint)
+        self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False)
+        self.ref.eval().requires_grad_(False)
+        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        self.sp = sp_groups(world, args.sp_size)
         for model in (self.model, self.ref):
             enable_ring_attention(model, self.sp.group)  # a no-op when --sp-size is 1
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
-        )
+        params, lr, decay = self.model.parameters(), args.learning_rate, args.weight_decay
+        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
 
     def pair_losses(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch of pairs."""
+        """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch
+        of pairs."""
         mb = {k: v.to(self.device) for k, v in mb.items()}
-        mb["seq_index"] = (mb["positions"] == 0).cumsum(1) - 1  # (1, T) which sequence each token belongs to
+        mb["seq_index"] = (mb["positions"] == 0).cumsum(1) - 1  # (1, T) each token's sequence
         mb["num_seqs"] = mb["seq_index"][0, -1] + 1
-        mb = shard_micro_batch(mb, self.sp.rank, self.sp.size)  # this rank's part of every row (SP)
-        with torch.no_grad():
-            ref_logprobs = sequence_logprobs(self.ref, mb, self.sp.group)  # (P, 2)
-        return compute_loss(sequence_logprobs(self.model, mb, self.sp.group), ref_logprobs, self.args)
+        mb = shard_micro_batch(mb, self.sp.rank, self.sp.size)  # this rank's part of every row
+        return compute_pair_losses(self.model, self.ref, mb, self.args, self.sp.group)
 
     def train_step(self, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
-        """One optimizer step over this rank's micro-batches. Returns sums; the driver divides by counts."""
+        """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.args)
         stats = {}
         for i, mb in enumerate(micro_batches):
-            # Reduce-scatter gradients only after the last micro-batch; before it they accumulate locally.
+            # reduce-scatter gradients after the last micro-batch only
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             losses, rewards = self.pair_losses(mb)
-            loss = losses.sum() * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch (split_for_ranks)
-            # Mean over the pairs of the whole global batch; FSDP averages over ranks, so undo its 1/world.
-            (loss * self.world_size / num_pairs).backward()  # SP: each rank gets the gradient of its own tokens
-            add_pair_stats(stats, losses.detach(), rewards, mb["loss_scale"].item())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
-            raise FloatingPointError(f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {**stats, "grad_norm": grad_norm.item(), "lr": self.optimizer.param_groups[0]["lr"]}
+            loss = losses.sum() * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
+            # the mean over the global batch's pairs; FSDP averages over ranks: undo it. SP: each
+            # rank gets the gradient of its own tokens
+            (loss * self.world_size / num_pairs).backward()
+            for key, value in pair_stats(losses.detach(), rewards).items():
+                stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
+        grad_norm = self.optimizer_step(step)
+        return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
 
     @torch.no_grad()
     def eval_pairs(self, micro_batches: list[dict]) -> dict:
+        """pair_stats summed over this rank's micro-batches."""
         self.model.eval()
         stats = {}
         for mb in micro_batches:
-            losses, rewards = self.pair_losses(mb)
-            add_pair_stats(stats, losses, rewards, mb["loss_scale"].item())
+            for key, value in pair_stats(*self.pair_losses(mb)).items():
+                stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
         return stats
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy completions of this rank's prompts. synced_gpus keeps the ranks' FSDP collectives in step."""
+        """Greedy completions of this rank's prompts, each whole here (ring attention off)."""
         self.model.eval()
-        enable_ring_attention(self.model, None)  # each rank generates its own prompts whole
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left-pad
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, synced_gpus=self.world_size > 1)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **greedy)
+        enable_ring_attention(self.model, None)
+        args = (self.tokenizer, prompts, max_new_tokens, self.world_size > 1)
+        out = greedy_completions(self.model, *args)
         enable_ring_attention(self.model, self.sp.group)
-        stop = {self.tokenizer.eos_token_id, pad}
-        return [[t for t in row[width:].tolist() if t not in stop] for row in out]
+        return out
+
+    def optimizer_step(self, step: int) -> float:
+        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
+        every rank before the update, so the weights are never NaN. Returns the norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
 
     def save(self, path: str, step: int, with_optimizer: bool):
-        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
+        # every rank gathers its shards, rank 0 writes
+        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
 
     def load_optimizer(self, path: str):
-        load_optimizer(self.model, self.optimizer, path)
-
-
-def add_pair_stats(stats: dict, losses: torch.Tensor, rewards: torch.Tensor, scale: float) -> None:
-    """Accumulate sums of the loss and the implicit rewards (P, 2); a tie (h = 0, e.g. at step 0) counts half."""
-    margins = rewards[:, 0] - rewards[:, 1]
-    sums = {
-        "loss": losses.sum(),
-        "accuracy": (margins > 0).sum() + 0.5 * (margins == 0).sum(),
-        "margin": margins.sum(),
-        "chosen_reward": rewards[:, 0].sum(),
-        "rejected_reward": rewards[:, 1].sum(),
-        "pairs": len(losses),
-    }
-    for k, v in sums.items():
-        stats[k] = stats.get(k, 0.0) + float(v) * scale
-
-
-def validate_args(args: Args) -> None:
-    """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
-
-    Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
-    """
-    check_ranges(
-        args,
-        {
-            ">= 0": "seed save_every warmup_steps weight_decay",
-            ">= 1": "eval_every max_length max_new_tokens num_trainers sp_size num_steps batch_size "
-            "max_tokens_per_micro_batch",
-            "> 0": "beta learning_rate max_grad_norm",
-            ">= 0, < 0.5": "label_smoothing",
-            ">= 0, <= 1": "min_lr_ratio",
-        },
-    )
-    if args.num_trainers % args.sp_size:
-        raise InputError(f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}")
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
-    if args.batch_size % dp_size:
-        raise InputError(f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups")
-    if args.max_tokens_per_micro_batch is None:
-        args.max_tokens_per_micro_batch = max(1024, 2 * args.max_length)
-    if args.max_tokens_per_micro_batch < 2 * args.max_length:
-        raise InputError(f"--max-tokens-per-micro-batch must fit one pair: 2 x --max-length = {2 * args.max_length}")
-    if args.ipo and args.label_smoothing:
-        raise InputError("--label-smoothing (cDPO) applies to the sigmoid loss only, not to --ipo")
+        checkpoint.load_optimizer(self.model, self.optimizer, path)
 
 
 def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
+    # ---- check everything cheap, then start Ray and the trainers (SETUP AND CHECKS, below) ----
     validate_args(args)
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups; each splits its rows over sp_size ranks
-    resume_step, run_dir = 0, None
-    if args.resume:  # same script and model, a whole checkpoint
-        run_dir, resume_ckpt, resume_step = check_resume(args.resume, args, os.path.basename(__file__))
-    else:
-        check_output_dir(args.output_dir)
-    check_tracking(args.track)
-    use_gpu = choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are (enough)
-    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
-    if args.eval_dataset:
-        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
-    for rows, source in datasets.values():
-        validate_rows(rows, ["prompt", "chosen", "rejected"], source)
-        check_pairs(rows, source)
-    accuracy_rows = []
-    if args.accuracy_dataset:
-        accuracy_rows, source = load_rows(args.accuracy_dataset, args.eval_split)
-        validate_rows(accuracy_rows, ["prompt", "answer"], source, numeric=("answer",))
-    model_path = resolve_model(args.model)
-    check_weights(model_path, "model")
-    memory.check_run(args, use_gpu, model_path, reference=True)  # a run that cannot fit stops here
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-
-    # ---- tokenize: prompt + chosen and prompt + rejected per row; count pairs that are too long ----
-    pairs = {}
-    for split, (rows, source) in datasets.items():
-        encoded = [
-            tuple(encode_example(tokenizer, r["prompt"], r[side]) for side in ("chosen", "rejected")) for r in rows
-        ]
-        too_long = [i + 1 for i, (c, r) in enumerate(encoded) if max(len(c[0]), len(r[0])) > args.max_length]
-        if too_long and not args.drop_long:
-            raise InputError(
-                f"{source}: {len(too_long)} of {len(rows)} pairs are longer than --max-length {args.max_length} "
-                f"tokens (first: row {too_long[0]}); raise --max-length or pass --drop-long"
-            )
-        pairs[split] = [make_pair(c, r) for c, r in encoded if max(len(c[0]), len(r[0])) <= args.max_length]
-        if not pairs[split]:
-            raise InputError(f"{source}: no pairs left within --max-length")
-    accuracy_prompts = [encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
-
-    # ---- start Ray, place the trainers (policy + frozen reference), open the run directory ----
-    layout = Layout(use_gpu, args.num_trainers)
-    init_ray(len(layout.bundles))
-    pg = make_placement_group(layout.bundles, use_gpu)
-    start_from = resume_ckpt if args.resume else model_path
-    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, start_from, model_path)
+    use_gpu, resume = check_machine(args, os.path.basename(__file__))
+    run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
+    model_path, tokenizer, pairs, accuracy = prepare_inputs(args, use_gpu)
+    trainers = start_trainers(args, use_gpu, resume_ckpt or model_path, model_path)  # + π_ref
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)
     run.print(f"run dir: {run.dir}  model: {args.model}  train pairs: {len(pairs['train'])}")
 
-    def pair_metrics(prefix: str, sums: list[dict]) -> dict:
-        sums = sums[:: args.sp_size]  # the ranks of an SP group report the same pairs: count them once
-        n = sum(s["pairs"] for s in sums)
-        keys = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
-        return {f"{prefix}/{k}": sum(s[k] for s in sums) / n for k in keys}
-
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in pairs:
-            shares = split_for_ranks(pairs["eval"], dp_size, args.max_tokens_per_micro_batch)
-            sums = call(trainers, "eval_pairs", per_rank=shares_per_rank(shares, args.sp_size))
-            metrics.update(pair_metrics("eval", sums))
-        if accuracy_prompts:
-            n = args.num_trainers
-            shares = [accuracy_prompts[r::n] for r in range(n)]
-            outs = call(trainers, "generate", args.max_new_tokens, per_rank=shares)
-            responses = [None] * len(accuracy_prompts)
-            for r, out in enumerate(outs):
-                responses[r::n] = [tokenizer.decode(o) for o in out]
-            rewards = [reward_fn(resp, str(row["answer"])) for resp, row in zip(responses, accuracy_rows)]
-            metrics["eval/greedy_accuracy"] = sum(rewards) / len(rewards)
-            samples = zip(accuracy_rows, responses, rewards)
-            run.log_samples(
-                step,
-                [{"prompt": r["prompt"], "response": t, "answer": r["answer"], "reward": x} for r, t, x in samples],
-            )
+            sums = call(trainers, "eval_pairs", per_rank=plan_micro_batches(pairs["eval"], args))
+            metrics.update(pair_metrics("eval", sums, args))
+        if accuracy:  # greedy generation on the trainers, scored by the rule verifier
+            accuracy_value, samples = greedy_accuracy(trainers, *accuracy, tokenizer, args)
+            metrics["eval/greedy_accuracy"] = accuracy_value
+            run.log_samples(step, samples)
         return metrics
 
     # ---- training loop ----
-    console = ("train/loss", "train/accuracy", "train/margin", "eval/loss", "eval/accuracy", "eval/greedy_accuracy")
-    first = evaluate(resume_step) if resume_step == 0 else {}
+    console = ("train/loss", "train/accuracy", "train/margin", "eval/loss", "eval/accuracy")
+    console += ("eval/greedy_accuracy",)
+    first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
     run.start_progress(args.num_steps, resume_step)
@@ -474,16 +435,15 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
-        shares = split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
-        results = call(trainers, "train_step", len(batch), step, per_rank=shares_per_rank(shares, args.sp_size))
-        elapsed = time.time() - t0
+        shares = plan_micro_batches(batch, args)
+        results = call(trainers, "train_step", len(batch), step, per_rank=shares)
         metrics = {
-            **pair_metrics("train", results),
+            **pair_metrics("train", results, args),
             "train/grad_norm": results[0]["grad_norm"],
             "train/lr": results[0]["lr"],
-            "time/step": elapsed,
-            "perf/tokens_per_s": sum(len(p["input_ids"]) for p in batch) / elapsed,
+            **time_metrics(time.time() - t0, batch),
         }
+
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
@@ -499,6 +459,131 @@ def main(args: Args):
     run.print(f"final model: {run.checkpoint_dir('final')}")
     run.close()
     ray.shutdown()
+
+
+# TRY NOT TO MODIFY: the loop's plumbing.
+def plan_micro_batches(batch: list[dict], args: Args) -> list[list[dict]]:
+    """Deal a batch to the data-parallel groups (balanced by tokens) and pack each share into
+    micro-batches of --max-tokens-per-micro-batch; the --sp-size ranks of a group get the same."""
+    dp_size = args.num_trainers // args.sp_size
+    shares = data.split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
+    return ring_attn.shares_per_rank(shares, args.sp_size)
+
+
+def greedy_accuracy(trainers: list, rows: list[dict], prompts: list, tokenizer, args: Args):
+    """Greedy accuracy of the held-out prompts: dealt round-robin to the trainer ranks, generated
+    there, scored with reward_fn against each row's answer. Returns (accuracy, sample rows)."""
+    n = len(trainers)
+    outs = call(
+        trainers, "generate", args.max_new_tokens, per_rank=[prompts[r::n] for r in range(n)]
+    )
+    texts = [""] * len(prompts)
+    for r, out in enumerate(outs):
+        texts[r::n] = [tokenizer.decode(o) for o in out]
+    rewards = [reward_fn(text, str(row["answer"])) for text, row in zip(texts, rows)]
+    samples = [
+        {"prompt": row["prompt"], "response": text, "answer": row["answer"], "reward": reward}
+        for row, text, reward in zip(rows, texts, rewards)
+    ]
+    return sum(rewards) / len(rewards), samples
+
+
+# SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
+def validate_args(args: Args) -> None:
+    """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
+    work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
+    docstring's commands are checked by a test on any machine."""
+    check_ranges(args)
+    if args.num_trainers % args.sp_size:
+        raise InputError(
+            f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
+        )
+    dp_size = args.num_trainers // args.sp_size  # data-parallel groups (each splits rows over SP)
+    if args.batch_size % dp_size:
+        raise InputError(
+            f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups"
+        )
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = max(1024, 2 * args.max_length)
+    if args.max_tokens_per_micro_batch < 2 * args.max_length:
+        raise InputError(
+            "--max-tokens-per-micro-batch must fit one pair: 2 x --max-length = "
+            f"{2 * args.max_length}"
+        )
+    if args.ipo and args.label_smoothing:
+        raise InputError("--label-smoothing (cDPO) applies to the sigmoid loss only, not to --ipo")
+
+
+def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
+    """The checks that need the file system or the machine: the output dir or the run to resume
+    (same script and model, a whole checkpoint), the wandb login, the GPUs. Returns whether to use
+    GPUs, and (run dir, checkpoint, step) to resume or None."""
+    resume = checkpoint.check_resume(args.resume, args, script) if args.resume else None
+    if not args.resume:
+        tracking.check_output_dir(args.output_dir)
+    tracking.check_tracking(args.track)
+    use_gpu = placement.choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are enough
+    return use_gpu, resume
+
+
+def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
+    """Read and check the data and the model; plan the GPUs' memory (the policy and π_ref);
+    tokenize. Returns (model folder, tokenizer, {split: [pair]}, (rows, prompts) for greedy
+    accuracy or None)."""
+    datasets = {"train": data.load_rows(args.dataset, args.dataset_split)}
+    if args.eval_dataset:
+        datasets["eval"] = data.load_rows(args.eval_dataset, args.eval_split)
+    for rows, source in datasets.values():
+        data.validate_rows(rows, ["prompt", "chosen", "rejected"], source)
+        data.check_pairs(rows, source)
+    accuracy_rows = read_accuracy_rows(args)
+    model_path = models.resolve_model(args.model)
+    models.check_weights(model_path, "model")
+    memory.check_run(args, use_gpu, model_path, reference=True)  # a run that cannot fit stops here
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pairs = {split: encode_pairs(*rows, tokenizer, args) for split, rows in datasets.items()}
+    prompts = [data.encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
+    return model_path, tokenizer, pairs, (accuracy_rows, prompts) if prompts else None
+
+
+def read_accuracy_rows(args: Args) -> list[dict]:
+    """The held-out `prompt` + `answer` rows of the greedy accuracy eval (none without
+    --accuracy-dataset)."""
+    if not args.accuracy_dataset:
+        return []
+    rows, source = data.load_rows(args.accuracy_dataset, args.eval_split)
+    data.validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
+    return rows
+
+
+def encode_pairs(rows: list[dict], source: str, tokenizer, args: Args) -> list[dict]:
+    """Tokenize prompt + chosen and prompt + rejected of every row with the chat template. Pairs
+    over --max-length stop the run, naming the first, or with --drop-long are left out."""
+    sides = ("chosen", "rejected")
+    encoded = [
+        tuple(data.encode_example(tokenizer, r["prompt"], r[s]) for s in sides) for r in rows
+    ]
+    lengths = [max(len(c[0]), len(r[0])) for c, r in encoded]
+    too_long = [i + 1 for i, n in enumerate(lengths) if n > args.max_length]
+    if too_long and not args.drop_long:
+        raise InputError(
+            f"{source}: {len(too_long)} of {len(rows)} pairs are longer than --max-length "
+            f"{args.max_length} tokens (first: row {too_long[0]}); raise --max-length or pass "
+            "--drop-long"
+        )
+    pairs = [make_pair(c, r) for (c, r), n in zip(encoded, lengths) if n <= args.max_length]
+    if not pairs:
+        raise InputError(f"{source}: no pairs left within --max-length")
+    return pairs
+
+
+def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
+    """Start Ray and place one trainer per rank (one GPU each, or a share of the CPU cores), each
+    loading `paths` (the model, or the checkpoint to resume; dpo.py's reference too)."""
+    layout = placement.Layout(use_gpu, args.num_trainers)
+    placement.init_ray(len(layout.bundles))
+    pg = placement.make_placement_group(layout.bundles, use_gpu)
+    return placement.spawn_trainers(Trainer, pg, layout.trainers, args, *paths)
 
 
 if __name__ == "__main__":

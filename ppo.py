@@ -1,23 +1,26 @@
-"""PPO for RLHF with a critic and GAE (Ouyang et al. 2022, InstructGPT, arXiv 2203.02155, §3.5; Ziegler et al.
-2019, arXiv 1909.08593; Schulman et al. 2017, arXiv 1707.06347).
+"""PPO for RLHF with a critic and GAE (Ouyang et al. 2022, InstructGPT, arXiv 2203.02155, §3.5;
+Ziegler et al. 2019, arXiv 1909.08593; Schulman et al. 2017, arXiv 1707.06347).
 
-Sample responses from the policy π_θ, score each whole response (a rule verifier, or an rm.py reward model), and
-turn it into a per-token reward with a KL penalty to the frozen start policy π_ref (k1 estimator):
+Sample responses from the policy π_θ, score each whole response (a rule verifier, or an rm.py reward
+model), and turn it into a per-token reward with a KL penalty to the frozen start policy π_ref (k1):
     r_t = -β (log π_θold(o_t) - log π_ref(o_t))  +  [t = last token] · score(q, o)
-A critic V_φ (the backbone with a scalar head, read at every token) gives the baseline; GAE(γ, λ) the advantages:
-    δ_t = r_t + γ V(s_t+1) - V(s_t),   Â_t = Σ_l (γλ)^l δ_t+l,   R_t = Â_t + V(s_t),   V(s_T) = 0 after the end
-    L_π = -min(ρ_t Â_t, clip(ρ_t, 1-ε, 1+ε) Â_t)          Â whitened over the batch, ρ_t = π_θ / π_θold
+A critic V_φ (the backbone with a scalar head, read at every token) gives the baseline; GAE(γ, λ)
+the advantages:
+    δ_t = r_t + γ V(s_t+1) - V(s_t),  Â_t = Σ_l (γλ)^l δ_t+l,  R_t = Â_t + V(s_t),  V = 0 at the end
+    L_π = -min(ρ_t Â_t, clip(ρ_t, 1-ε, 1+ε) Â_t)      Â whitened over the batch, ρ_t = π_θ / π_θold
     L_V = ½ max((V_φ - R_t)², (clip(V_φ, V_old - ε_v, V_old + ε_v) - R_t)²)
-Policy trainers (with the reference) and critic trainers are separate FSDP2 actor groups; vLLM engines sample;
-after every step the policy pushes its weights to the engines. β is fixed, or adapted toward a target KL.
+Policy trainers (with the reference) and critic trainers are separate FSDP2 actor groups; vLLM
+engines sample; after every step the policy pushes its weights to the engines. β is fixed, or
+adapted toward a target KL.
 
 Run it:
-    python ppo.py                                                  # built-in model and arithmetic task, CPU/GPU
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward-model runs/rm__1__<time>/checkpoints/final \\
-        --dataset my_prompts.jsonl --eval-dataset "" --max-response-length 512 --prompts-per-step 64
-        # 3 GPUs: policy, critic, engine (+ 1 for the reward model)
+    python ppo.py                                     # built-in model and arithmetic task, CPU/GPU
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset my_prompts.jsonl --eval-dataset "" \\
+        --reward-model runs/rm__1__<time>/checkpoints/final --max-response-length 512 \\
+        --prompts-per-step 64 --gradient-checkpointing
+        # 1 GPU: the hybrid engine (policy, critic, reward model, vLLM share it); 4 GPUs: one each
     python ppo.py --model Qwen/Qwen2.5-1.5B-Instruct --dataset openai/gsm8k:main --num-trainers 2 \\
-        --num-critics 2 --num-engines 4 --max-response-length 1024 --prompts-per-step 128    # 8 GPUs
+        --num-critics 2 --num-engines 4 --max-response-length 1024 --prompts-per-step 128  # 8 GPUs
 """
 
 import json
@@ -27,59 +30,33 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import ray
 import torch
 import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 
-from common import memory
-from common.checks import (
-    call_reward,
-    check_checkpoint,
-    check_output_dir,
-    check_ranges,
-    check_tracking,
-    check_weights,
-)
-from common.data import (
-    InputError,
-    encode_example,
-    encode_prompt,
-    load_function,
-    load_rows,
-    split_for_ranks,
-    validate_rows,
-)
+# Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
+# call says where it lives. The names below are what the math, the actors and the loop use.
+from common import checkpoint, data, memory, models, placement, tracking, weight_sync
+from common.data import encode_example, response_values
 from common.engines import generate, spawn_engines
+from common.errors import InputError, check_ranges
 from common.lm_head import token_logprobs
 from common.memory import to_device, to_host
-from common.model import (
-    BUILTIN_MODEL,
-    attn_implementation,
-    empty_model,
-    load_optimizer,
-    load_weights,
-    resolve_model,
-    save_checkpoint,
-)
-from common.placement import (
-    Layout,
-    call,
-    choose_layout,
-    init_distributed,
-    init_ray,
-    make_placement_group,
-    rendezvous_address,
-    spawn_trainers,
-    wait_all,
-    wait_started,
-)
+from common.models import attn_implementation, empty_model, load_weights
+from common.placement import call, wait_all
+from common.rewards import call_reward
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
-from common.tracking import Run, check_resume
-from common.weight_sync import choose_backend, init_weight_sync, sync_weights
+from common.tracking import Run
+from common.weight_sync import sync_weights
 
 
 @dataclass
@@ -87,7 +64,7 @@ class Args:
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
-    seed: int = 1
+    seed: Annotated[int, ">= 0"] = 1
     """seed of model init, data order and sampling"""
     track: bool = False
     """log metrics to Weights & Biases"""
@@ -97,20 +74,21 @@ class Args:
     """folder for run directories"""
     resume: str | None = None
     """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
-    save_every: int = 0
+    save_every: Annotated[int, ">= 0"] = 0
     """save a resumable checkpoint every N steps (0: only the final model)"""
-    eval_every: int = 10
+    eval_every: Annotated[int, ">= 1"] = 10
     """evaluate every N steps, and before the first and after the last"""
 
     # Model and data
-    model: str = BUILTIN_MODEL
+    model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
     critic_model: str | None = None
-    """where the critic starts: a causal LM (a new zero scalar head) or an rm.py output (default: --model)"""
+    """the critic's start: a causal LM (a new zero head) or an rm.py output (default: --model)"""
     reward_model: str | None = None
-    """an rm.py output (sequence classifier, one label, same tokenizer) scoring responses instead of the verifier"""
+    """an rm.py output (one-label classifier, same tokenizer) scoring responses, not the verifier"""
     dataset: str = "data/arithmetic/prompts_train.jsonl"
-    """prompts: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`answer` or `question`+`answer`"""
+    """prompts: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `prompt`+`answer` or
+    `question`+`answer`"""
     dataset_split: str = "train"
     """split to read when --dataset is a hub id"""
     eval_dataset: str = "data/arithmetic/prompts_test.jsonl"
@@ -118,120 +96,129 @@ class Args:
     eval_split: str = "test"
     """split to read when --eval-dataset is a hub id"""
     reward_fn: str | None = None
-    """your own reward, `path/to/file.py:function`, called as function(response: str, answer: str) -> float"""
-    reward_timeout: float = 30.0
-    """seconds one reward call may take; a slower one stops the run, naming the function, the step and the row"""
-    max_prompt_length: int = 256
+    """your own reward, `path/to/file.py:function`, called as
+    function(response: str, answer: str) -> float"""
+    reward_timeout: Annotated[float, "> 0"] = 30.0
+    """seconds one reward call may take; a slower one stops the run, naming the function, the step,
+    the row"""
+    max_prompt_length: Annotated[int, ">= 1"] = 256
     """longest prompt in tokens"""
-    max_response_length: int = 24
+    max_response_length: Annotated[int, ">= 1"] = 24
     """longest response in tokens (generation stops there)"""
     drop_long: bool = False
     """drop prompts longer than --max-prompt-length instead of stopping with an error"""
 
     # Resources
-    num_trainers: int = 1
+    num_trainers: Annotated[int, ">= 1"] = 1
     """FSDP2 policy trainer ranks (one GPU each on GPU; share the cores on CPU)"""
-    num_critics: int = 1
+    num_critics: Annotated[int, ">= 1"] = 1
     """FSDP2 critic ranks, a separate actor group (one GPU each on GPU)"""
-    sp_size: int = 1
-    """ring attention: split every packed row over this many ranks (--num-trainers, --num-critics = DP x SP)"""
-    num_engines: int = 1
+    sp_size: Annotated[int, ">= 1"] = 1
+    """ring attention: split every packed row over this many ranks (--num-trainers, --num-critics =
+    DP x --sp-size)"""
+    num_engines: Annotated[int, ">= 1"] = 1
     """vLLM engines (Ray actors) generating rollouts"""
-    engine_tp: int = 1
+    engine_tp: Annotated[int, ">= 1"] = 1
     """tensor-parallel GPUs per engine"""
     colocate: bool = False
-    """GPU only: policy rank i and engine i share GPU i; vLLM sleeps while the trainers train"""
-    engine_memory: float | None = None
-    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache (default 1)"""
+    """GPU: the hybrid engine, policy rank i, critic rank i and engine i on GPU i (the reward model
+    on GPU 0), vLLM sleeping while the models train (the default when there are too few GPUs)"""
+    engine_memory: Annotated[float | None, "> 0"] = None
+    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache
+    (default 1)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
 
     # Algorithm
-    samples_per_prompt: int = 2
-    """responses sampled per prompt (PPO needs no groups; several per prompt just reuse the prompt's prefill)"""
-    temperature: float = 1.0
+    samples_per_prompt: Annotated[int, ">= 1"] = 2
+    """responses sampled per prompt (PPO needs no groups; more per prompt reuse its prefill)"""
+    temperature: Annotated[float, "> 0"] = 1.0
     """sampling temperature; the trainer scores tokens at the same temperature"""
-    top_p: float = 1.0
+    top_p: Annotated[float, "> 0, <= 1"] = 1.0
     """nucleus sampling"""
-    clip_eps: float = 0.2
+    clip_eps: Annotated[float, "> 0, < 1"] = 0.2
     """ε: PPO clip range of the ratio π_θ / π_θold"""
-    value_clip_eps: float = 0.2
+    value_clip_eps: Annotated[float, "> 0"] = 0.2
     """ε_v: a value prediction may move at most this far from V_old before its loss is clipped"""
-    gamma: float = 1.0
+    gamma: Annotated[float, ">= 0, <= 1"] = 1.0
     """γ: discount per token (1: the whole response counts, as in RLHF practice)"""
-    lam: float = 0.95
+    lam: Annotated[float, ">= 0, <= 1"] = 0.95
     """λ: GAE trace decay (1: Monte-Carlo returns minus V, 0: one-step TD)"""
-    kl_coef: float = 0.01
-    """β: weight of the k1 KL penalty to the frozen start policy in the per-token reward (start value if adaptive)"""
-    kl_target: float | None = None
-    """adaptive β (Ziegler et al. 2019 §2.2): target KL per response in nats (None: β stays fixed)"""
-    kl_horizon: int = 10000
-    """adaptive β: horizon in responses; β moves by at most a factor 1 ± 0.2 · responses / horizon per step"""
-    num_minibatches: int = 2
+    kl_coef: Annotated[float, ">= 0"] = 0.01
+    """β: weight of the k1 KL penalty to the frozen start policy in the per-token reward (the start
+    value if adaptive)"""
+    kl_target: Annotated[float | None, "> 0"] = None
+    """adaptive β (Ziegler et al. 2019 §2.2): target KL per response, nats (None: β stays fixed)"""
+    kl_horizon: Annotated[int, ">= 1"] = 10000
+    """adaptive β: horizon H in responses; β moves by a factor 1 ± 0.2 · responses / H at most"""
+    num_minibatches: Annotated[int, ">= 1"] = 2
     """optimizer steps per rollout batch and epoch, for both the policy and the critic"""
-    num_epochs: int = 1
+    num_epochs: Annotated[int, ">= 1"] = 1
     """passes over each rollout batch"""
 
     # Optimization
-    num_steps: int = 12
+    num_steps: Annotated[int, ">= 1"] = 12
     """rollout + training steps"""
-    prompts_per_step: int = 8
+    prompts_per_step: Annotated[int, ">= 1"] = 8
     """prompts per rollout batch (each sampled --samples-per-prompt times)"""
-    max_tokens_per_micro_batch: int | None = None
-    """token budget of one packed micro-batch on one rank (default: 512, or one longest prompt + response if more;
-    raise it on GPU); gradients accumulate over micro-batches"""
-    learning_rate: float = 2e-5
+    max_tokens_per_micro_batch: Annotated[int | None, ">= 1"] = None
+    """token budget of one packed micro-batch on one rank (default: 512, or one longest prompt +
+    response if more; raise it on GPU); gradients accumulate over micro-batches"""
+    learning_rate: Annotated[float, "> 0"] = 2e-5
     """peak learning rate of the policy's AdamW"""
-    critic_learning_rate: float = 5e-5
-    """peak learning rate of the critic's AdamW (the new value head needs to move faster than the policy)"""
-    warmup_steps: int = 2
+    critic_learning_rate: Annotated[float, "> 0"] = 5e-5
+    """peak learning rate of the critic's AdamW (its new value head must move faster)"""
+    warmup_steps: Annotated[int, ">= 0"] = 2
     """linear warm-up steps, then cosine decay"""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
     """the cosine decays to learning_rate * min_lr_ratio"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, ">= 0"] = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
 
-# ALGO LOGIC: the model, its log-probabilities and the reward. These three are identical in every script.
+# ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
 def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM head).
+    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
+    head).
 
-    The model is built on the meta device and sharded before any weight exists; then rank 0 reads the checkpoint
-    and broadcasts it, each rank keeping only its shard (common/model.py). Master weights stay fp32; on GPU the
-    forward/backward run in bf16 and gradients are reduced in fp32.
+    The model is built on the meta device and sharded before any weight exists; then rank 0 reads
+    the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
+    weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
     """
     model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    mp = MixedPrecisionPolicy()  # fp32 on CPU
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
-    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     load_weights(model, AutoModelForCausalLM, path, device)
     return model
 
 
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0) -> torch.Tensor:
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
 
-    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only the masked
-    positions go through the LM head, a chunk of them at a time (common/lm_head.py): the (N, vocab) logits never
-    exist at once, in the forward or the backward. Returns (N,) fp32.
+    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
+    the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
+    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t), not logits
-        out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t)
+        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
     return out.logits  # (N,)
 
 
 def reward_fn(response: str, answer: str) -> float:
     """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
 
-    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in the response;
-    other answers (LaTeX, fractions) go through math-verify.
+    Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in
+    the response; other answers (LaTeX, fractions) go through math-verify.
     """
     answer = answer.split("####")[-1].strip().replace(",", "")
     if re.fullmatch(r"-?\d+", answer):
@@ -244,20 +231,24 @@ def reward_fn(response: str, answer: str) -> float:
 
 # ALGO LOGIC: the critic, the per-token reward, GAE, whitening, the two losses and the adaptive β.
 def load_critic(path: str, device: torch.device, gradient_checkpointing: bool, pad_token_id: int):
-    """V_φ: a sequence classifier with one label (rm.py's class) whose scalar head we read at every token.
+    """V_φ: a sequence classifier with one label (rm.py's class), its head read at every token.
 
-    From a causal LM the head `score` is new: it starts at zero, so V = 0 and the first advantages are the
-    whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's default). Sharded like
-    load_policy.
+    From a causal LM the head `score` is new: it starts at zero, so V = 0 and the first advantages
+    are the whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's
+    default). Sharded like load_policy.
     """
-    model = empty_model(AutoModelForSequenceClassification, path, attn_implementation(device), num_labels=1)
-    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else pad_token_id
+    auto = AutoModelForSequenceClassification
+    model = empty_model(auto, path, attn_implementation(device), num_labels=1)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = pad_token_id
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    mp = MixedPrecisionPolicy()  # fp32 on CPU
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp or MixedPrecisionPolicy())
-    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     missing = load_weights(model, AutoModelForSequenceClassification, path, device)
     if any(k.startswith("score.") for k in missing):
         with torch.no_grad():
@@ -268,8 +259,9 @@ def load_critic(path: str, device: torch.device, gradient_checkpointing: bool, p
 def compute_values(model, input_ids, position_ids, mask) -> torch.Tensor:
     """V_φ(s_t) at every position where mask is 1: (1, T) packed rows -> (N,).
 
-    The classifier's own output keeps one score per row; a hook catches the head's score at every position.
-    Position t holds the state before the response token it predicts, the same positions as compute_logprobs.
+    The classifier's own output keeps one score per row; a hook catches the head's score at every
+    position. Position t holds the state before the response token it predicts, the same positions
+    as compute_logprobs.
     """
     head_out = []
     hook = model.score.register_forward_hook(lambda module, inputs, out: head_out.append(out))
@@ -281,11 +273,11 @@ def compute_values(model, input_ids, position_ids, mask) -> torch.Tensor:
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float):
-    """Per-token rewards (B, T): -β k1 KL on every response token, plus the response's score on its last token.
-
-    scores (B,); logprobs, ref_logprobs, response_mask (B, T), responses left-aligned. Also returns the k1 KL.
+    """Per-token rewards (B, T): -β k1 KL on every response token, plus the response's score on its
+    last token. scores (B,); logprobs, ref_logprobs, response_mask (B, T), responses left-aligned.
+    Also returns the k1 KL.
     """
-    kl = (logprobs - ref_logprobs) * response_mask  # k1: log π_θold - log π_ref, unbiased in expectation
+    kl = (logprobs - ref_logprobs) * response_mask  # k1: log π_θold - log π_ref, unbiased
     rewards = -kl_coef * kl
     last = response_mask.sum(dim=1).long() - 1  # (B,) index of each response's last token
     rewards[torch.arange(len(scores)), last] += scores
@@ -295,8 +287,9 @@ def compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: floa
 def compute_gae(rewards, values, response_mask, gamma: float, lam: float):
     """Generalized advantage estimation (Schulman et al. 2016) over (B, T) left-aligned responses.
 
-    δ_t = r_t + γ V_t+1 - V_t and Â_t = δ_t + γλ Â_t+1, with V = 0 and Â = 0 past the last real token (the
-    response ended: no future reward). Returns advantages and returns R = Â + V, both (B, T), zero on padding.
+    δ_t = r_t + γ V_t+1 - V_t and Â_t = δ_t + γλ Â_t+1, with V = 0 and Â = 0 past the last real
+    token (the response ended: no future reward). Returns advantages and returns R = Â + V, both
+    (B, T), zero on padding.
     """
     B, T = rewards.shape
     values = values * response_mask
@@ -313,63 +306,68 @@ def compute_gae(rewards, values, response_mask, gamma: float, lam: float):
 
 
 def masked_whiten(x, mask, eps: float = 1e-8):
-    """(x - mean) / std over the masked entries of the whole batch (biased variance); 0 outside the mask."""
+    """(x - mean) / std over the masked entries of the whole batch (biased variance); 0 outside."""
     n = mask.sum()
     mean = (x * mask).sum() / n
     var = ((x - mean) ** 2 * mask).sum() / n
-    if (x[mask.bool()] == x[mask.bool()][0]).all():  # all equal: exactly 0, not float32 rounding / sqrt(eps)
+    real = x[mask.bool()]
+    if (real == real[0]).all():  # all equal: exactly 0, not rounding / sqrt(eps)
         return torch.zeros_like(x)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over the masked tokens: 1 is a perfect critic, 0 a constant one, < 0 worse."""
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 a perfect critic, 0 a constant one."""
     n = mask.sum()
     var = lambda x: (((x - (x * mask).sum() / n) ** 2) * mask).sum() / n  # noqa: E731
     return (1 - var(returns - values) / var(returns)).item() if var(returns) > 0 else float("nan")
 
 
 def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps: float):
-    """Per-token clipped surrogate, negated for minimisation; all (N,). Also returns where the clip was active."""
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # ρ; the clamp keeps e^x finite (inf·0 = NaN)
+    """Per-token clipped surrogate (negated: a loss), all (N,); also where the clip was active."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # ρ, finite (inf·0 would be NaN)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     return -torch.min(unclipped, clipped), clipped < unclipped
 
 
-def compute_value_loss(values, old_values, returns, value_clip_eps: float):
-    """Per-token clipped value loss ½ max((V - R)², (V_clip - R)²), all (N,); also where the clipped term won.
-
-    V_clip = V_old + clip(V - V_old, -ε_v, ε_v): like the policy's ratio clip, a pessimistic bound that keeps
-    one rollout from moving the critic far (Schulman et al.'s baselines ppo2; OpenRLHF ValueLoss).
+def compute_value_loss(predicted, old_values, returns, value_clip_eps: float):
+    """Per-token clipped value loss ½ max((V - R)², (V_clip - R)²), all (N,); also where the clipped
+    term won. V_clip = V_old + clip(V - V_old, -ε_v, ε_v): like the policy's ratio clip, a bound
+    that keeps one rollout from moving the critic far (baselines' ppo2; OpenRLHF's ValueLoss).
     """
-    clipped_values = old_values + (values - old_values).clamp(-value_clip_eps, value_clip_eps)
-    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
+    clipped_values = old_values + (predicted - old_values).clamp(-value_clip_eps, value_clip_eps)
+    unclipped_loss, clipped_loss = (predicted - returns) ** 2, (clipped_values - returns) ** 2
     return 0.5 * torch.max(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
 
 
-def compute_loss(logprobs, old_logprobs, advantages, weights, args: Args) -> tuple[torch.Tensor, dict]:
-    """The policy's loss on one micro-batch's response tokens (all inputs (N,)), and its per-token stats to sum:
-        L = Σ_t w_t · clipped surrogate_t      (w_t: the token mean over the minibatch; no TIS, see docs/ppo.md)
-    approx_kl: the k3 estimate of KL(π_θold‖π_θ); expm1 keeps it accurate for the tiny ratios of a first update.
+def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
+    """The policy's loss on one micro-batch's response tokens, and its per-token stats to sum:
+        L = Σ_t w_t · clipped surrogate_t    (w_t: the minibatch's token mean; no TIS: docs/ppo.md)
+    logprobs (N,) are π_θ's; `values` holds the micro-batch's other per-token values, (N,) each:
+    old_logprobs (π_θold), advantages (whitened GAE) and loss_weights w_t. approx_kl: the k3
+    estimate of KL(π_θold‖π_θ); expm1 keeps it accurate for the tiny ratios of a first update.
     """
-    pg_loss, clipped = compute_policy_loss(logprobs, old_logprobs, advantages, args.clip_eps)
-    log_ratio = (logprobs - old_logprobs).detach()
-    stats = {"clipped_tokens": clipped.sum(), "approx_kl_sum": (torch.expm1(log_ratio) - log_ratio).sum()}
-    return (pg_loss * weights).sum(), stats
+    old = values["old_logprobs"]
+    pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], args.clip_eps)
+    log_ratio = (logprobs - old).detach()
+    approx_kl = torch.expm1(log_ratio) - log_ratio
+    stats = {"clipped_tokens": clipped.sum(), "approx_kl_sum": approx_kl.sum()}
+    return (pg_loss * values["loss_weights"]).sum(), stats
 
 
-def compute_critic_loss(values, old_values, returns, weights, args: Args) -> tuple[torch.Tensor, dict]:
-    """The critic's loss on one micro-batch's response tokens (all inputs (N,)): Σ_t w_t · clipped value loss_t."""
-    v_loss, clipped = compute_value_loss(values, old_values, returns, args.value_clip_eps)
-    return (v_loss * weights).sum(), {"value_clipped_tokens": clipped.sum()}
+def compute_critic_loss(predicted: torch.Tensor, values: dict, args: Args):
+    """The critic's loss on one micro-batch's response tokens: Σ_t w_t · clipped value loss_t, from
+    its predictions V_φ (N,) and the micro-batch's old_values, returns, loss_weights, (N,) each."""
+    old, returns = values["old_values"], values["returns"]
+    v_loss, clipped = compute_value_loss(predicted, old, returns, args.value_clip_eps)
+    return (v_loss * values["loss_weights"]).sum(), {"value_clipped_tokens": clipped.sum()}
 
 
-def update_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, num_responses: int) -> float:
-    """Ziegler et al. 2019 §2.2 adaptive β: e_t = clip(KL / KL_target - 1, -0.2, 0.2); β ← β (1 + e_t n / H).
-
-    kl: mean KL per response of this batch (nats, summed over its tokens); n: responses in the batch.
-    """
+def update_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, num_responses: int):
+    """Ziegler et al. 2019 §2.2 adaptive β: e_t = clip(KL / KL_target - 1, -0.2, 0.2);
+    β ← β (1 + e_t n / H). kl: mean KL per response of this batch (nats, summed over its tokens);
+    n: responses in the batch."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return kl_coef * (1 + error * num_responses / horizon)
 
@@ -383,21 +381,92 @@ def lr_at(step: int, args: Args, peak: float) -> float:
     return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
+# ALGO LOGIC: what each step logs (docs/ppo.md lists every key).
+def rollout_metrics(scores, responses: list[dict], values, returns, mask) -> dict:
+    """What was sampled and what the critic made of it: scores, lengths, truncations, and the mean
+    value and return per response token (the critic's guess against the GAE targets)."""
+    tokens, lengths = mask.sum(), [len(s["token_ids"]) for s in responses]
+    truncated = sum(s["finish_reason"] == "length" for s in responses)
+    return {
+        "rollout/reward": scores.mean().item(),
+        "rollout/reward_std": scores.std().item(),
+        "rollout/response_length": sum(lengths) / len(lengths),
+        "rollout/truncated": truncated / len(responses),
+        "rollout/value_mean": ((values * mask).sum() / tokens).item(),
+        "rollout/return_mean": ((returns * mask).sum() / tokens).item(),
+    }
+
+
+def train_metrics(policy: list[dict], critic: list[dict], args: Args, values, returns, mask):
+    """From both groups' sums (each rank its share of tokens; grad norms and lr are global)."""
+    total = defaultdict(float)
+    for rank in policy:
+        for key in ("policy_loss", "tokens", "clipped_tokens", "approx_kl_sum"):
+            total[key] += rank.get(key, 0.0)
+    for rank in critic:
+        for key in ("value_loss", "value_clipped_tokens"):
+            total[key] += rank.get(key, 0.0)
+    updates, tokens = args.num_minibatches * args.num_epochs, total["tokens"]
+    return {
+        "train/policy_loss": total["policy_loss"] / updates,
+        "train/value_loss": total["value_loss"] / updates,
+        "train/clipfrac": total["clipped_tokens"] / tokens,
+        "train/value_clipfrac": total["value_clipped_tokens"] / tokens,
+        # how far the updates moved the policy from π_θold: large means the clip is doing the work
+        "train/approx_kl": total["approx_kl_sum"] / tokens,
+        # 1 - Var(R - V) / Var(R): 1 a perfect critic, 0 a constant one, < 0 worse than a constant
+        "train/explained_variance": explained_variance(values, returns, mask),
+        "train/grad_norm": policy[0]["grad_norm_sum"] / updates,
+        "train/critic_grad_norm": critic[0]["grad_norm_sum"] / updates,
+        "train/lr": policy[0]["lr"],
+    }
+
+
+def engine_metrics(responses: list[dict], logprobs, mask) -> dict:
+    """|log π_θold - log π_vllm| per token: what vLLM sampled with against the trainer on the same
+    weights (float noise when the weight sync works, far more when the engines serve stale ones)."""
+    engine = torch.zeros_like(logprobs)
+    for i, s in enumerate(responses):
+        engine[i, : len(s["logprobs"])] = torch.tensor(s["logprobs"])
+    diff = (logprobs - engine).abs() * mask
+    mean, worst = (diff.sum() / mask.sum()).item(), diff.max().item()
+    return {"train/logprob_diff_mean": mean, "train/logprob_diff_max": worst}
+
+
+def time_metrics(times: tuple, generated_tokens: int, trained_tokens: int) -> dict:
+    """Seconds per phase from the step's (start, generated, scored, forward, trained, synced) times;
+    throughput (training: the policy's and the critic's tokens)."""
+    t0, t_gen, t_score, t_fwd, t_train, t_sync = times
+    return {
+        "time/generate": t_gen - t0,
+        "time/score": t_score - t_gen,
+        "time/forward": t_fwd - t_score,
+        "time/train": t_train - t_fwd,
+        "time/sync": t_sync - t_train,
+        "time/step": t_sync - t0,
+        "perf/generate_tokens_per_s": generated_tokens / (t_gen - t0),
+        "perf/train_tokens_per_s": 2 * trained_tokens / (t_train - t_fwd),
+    }
+
+
+# TRY NOT TO MODIFY: the data plumbing the loop and the actor share.
 def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
     """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
 
-    A pure function of the step, so --resume replays exactly the order an uninterrupted run would have seen.
+    A pure function of the step, so --resume replays exactly the order an uninterrupted run would
+    have seen.
     """
     rows = []
     for pos in range(step * batch_size, (step + 1) * batch_size):
         epoch, i = divmod(pos, num_rows)
-        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        rows.append(int(perm[i]))
+        epoch_seed = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        rows.append(int(torch.randperm(num_rows, generator=epoch_seed)[i]))
     return rows
 
 
 class Prompt(NamedTuple):
-    """A prompt of the dataset: its token ids, reference answer, text as written, and row (from 1) in its file."""
+    """A dataset prompt: its token ids, reference answer, text as written, and row (from 1) in its
+    file."""
 
     ids: list[int]
     answer: str
@@ -405,33 +474,34 @@ class Prompt(NamedTuple):
     row: int
 
 
-def reward_model_input(tokenizer, prompt, response: str) -> list[int]:
-    """The token ids a reward model scores for prompt + response: as rm.py trained it (encode_example: the chat
-    template's rendering, end-of-turn tokens included, read at the last token). vLLM's own tokens stop at the
-    end-of-turn token, one or more tokens short of where the reward model learnt to read its score."""
-    return encode_example(tokenizer, prompt, response)[0]
-
-
 def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
     """One training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
 
-    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that predict response
-    tokens, so they line up with what compute_logprobs (and ppo.py's compute_values) return for the masked positions.
+    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that
+    predict response tokens, so they line up with what compute_logprobs (and ppo.py's
+    compute_values) return for the masked positions; in the actor, `response_values` reads them back
+    as (N,) tensors, one per name.
     """
     ids = prompt + response
     pad = [0.0] * (len(prompt) - 1)
-    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": [0] * (len(prompt) - 1) + [1] * len(response) + [0]}
+    mask = [0] * (len(prompt) - 1) + [1] * len(response) + [0]
+    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask}
     for key, values in per_response.items():
         seq[key] = pad + list(values) + [0.0]
     return seq
 
 
-def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.Tensor:
-    """(B, T) left-aligned per-token values from the actors' forward outputs, placed by (`seq_id`, `tok`).
+def reward_model_input(tokenizer, prompt, response: str) -> list[int]:
+    """The ids a reward model scores, as rm.py trained it (encode_example: the chat template's
+    rendering, end-of-turn tokens included); vLLM's own ids stop short of them."""
+    return encode_example(tokenizer, prompt, response)[0]
 
-    results[rank][micro-batch] holds (N,) tensors over the masked positions this rank holds, with each token's
-    sequence and its index in the response (with --sp-size, a row's tokens are spread over the SP group).
-    """
+
+def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.Tensor:
+    """(B, T) left-aligned per-token values from the actors' forward outputs. results[rank] holds,
+    per micro-batch, (N,) tensors over the response tokens the rank holds, with each token's
+    sequence and place in its response, `seq_id` and `tok` (with --sp-size, a row's tokens are
+    spread over the SP group)."""
     out = torch.zeros(len(lengths), max(lengths))
     for per_rank in results:
         for mb in per_rank:
@@ -439,100 +509,107 @@ def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.
     return out
 
 
-# TRY NOT TO MODIFY: what the policy and critic actors share: a checkpoint of their FSDP2 model and optimizer.
+# TRY NOT TO MODIFY: what the policy and critic actors share (FSDP2 shards, step, checkpoints).
 class ShardedModel:
     def local_part(self, mb: dict) -> dict:
-        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k zigzag chunks."""
-        return shard_micro_batch({k: v.to(self.device) for k, v in mb.items()}, self.sp.rank, self.sp.size)
+        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks."""
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        return shard_micro_batch(mb, self.sp.rank, self.sp.size)
+
+    def optimizer_step(self, step: int) -> float:
+        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
+        every rank before the update, so the weights are never NaN. Returns the norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
 
     def save(self, path: str, step: int, with_optimizer: bool):
-        save_checkpoint(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)  # rank 0 writes
+        # every rank gathers its shards, rank 0 writes
+        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
 
     def load_optimizer(self, path: str):
-        load_optimizer(self.model, self.optimizer, path)
+        checkpoint.load_optimizer(self.model, self.optimizer, path)
 
 
 # TRY NOT TO MODIFY: the policy trainer actor (one per rank), holding the frozen reference too.
 @ray.remote
 class Trainer(ShardedModel):
-    def __init__(self, args: Args, model_path: str, ref_path: str, rank: int, world_size: int, addr: str, port: int):
-        self.args, self.rank, self.world_size = args, rank, world_size
-        self.device = init_distributed(rank, world_size, addr, port)
+    def __init__(self, args: Args, model_path: str, ref_path: str, rank, world, addr, port):
+        self.args, self.rank, self.world_size = args, rank, world
+        self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
         # π_ref is the start model, also on --resume (model_path is then the checkpoint).
-        self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False).eval().requires_grad_(False)
-        self.sp = sp_groups(world_size, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False)
+        self.ref.eval().requires_grad_(False)
+        self.sp = sp_groups(world, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data
         for model in (self.model, self.ref):
             enable_ring_attention(model, self.sp.group)  # a no-op when --sp-size is 1
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
-        )
+        params, lr, decay = self.model.parameters(), args.learning_rate, args.weight_decay
+        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines' dtype
-        self.weight_sync = init_weight_sync(
-            self.model, self.tokenizer, engines, backend, self.rank, (addr, port), self.args.engine_tp, dtype
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines'
+        sender, tp = (self.rank, (addr, port)), self.args.engine_tp
+        self.weight_sync = weight_sync.init_weight_sync(
+            self.model, self.tokenizer, engines, backend, *sender, tp, dtype
         )
 
     def push_weights(self):
         self.weight_sync.push()
 
     def check_weights(self):
-        self.weight_sync.check()  # the engines serve what was pushed, or an error names the one that does not
+        self.weight_sync.check()  # the engines serve what was pushed, or the run stops naming one
 
     @torch.no_grad()
     def forward(self, minibatches: list[list[dict]]) -> list[dict]:
-        """π_θold and π_ref logprobs of the response tokens this rank holds, with (sequence, index)."""
+        """π_θold and π_ref logprobs of the response tokens this rank holds, with their place
+        (seq_id, tok). Filler micro-batches run too: FSDP's collectives must stay in step."""
         self.model.eval()
         out = []
-        for mb in [mb for mini in minibatches for mb in mini]:  # fillers (loss_scale 0) run too: FSDP's collectives
-            mb = self.local_part(mb)
-            inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], self.args.temperature)
-            logprobs, ref_logprobs = compute_logprobs(self.model, *inputs), compute_logprobs(self.ref, *inputs)
-            if mb["loss_scale"].item():
-                m = mb["loss_mask"][0].bool()
-                where = {"seq_id": mb["seq_id"][0, m].cpu(), "tok": mb["tok"][0, m].cpu()}
-                out.append({**where, "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()})
+        for mb in [self.local_part(mb) for mini in minibatches for mb in mini]:
+            inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+            logprobs = compute_logprobs(self.model, *inputs, self.args.temperature)
+            ref_logprobs = compute_logprobs(self.ref, *inputs, self.args.temperature)
+            if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
+                where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
+                out.append(
+                    {**where, "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()}
+                )
         return out
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
-        """num_epochs passes, one optimizer step per minibatch of micro-batches. Returns sums for the driver."""
+        """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums."""
         args, stats = self.args, defaultdict(float)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.learning_rate)
-        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]  # SP: each token on one rank
+        # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
+        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]
         self.model.train()
         for _ in range(args.num_epochs):
             for mini in minibatches:
                 for i, mb in enumerate(mini):
                     self.model.set_requires_gradient_sync(i == len(mini) - 1)
-                    m = mb["loss_mask"][0].bool()
-                    logprobs = compute_logprobs(
-                        self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], args.temperature
-                    )  # (N,)
-                    loss, token_stats = compute_loss(
-                        logprobs, mb["old_logprobs"][0, m], mb["advantages"][0, m], mb["loss_weights"][0, m], args
-                    )
-                    # loss_scale: 1, or 0 for a filler micro-batch that only keeps the ranks' collectives in step
+                    inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+                    logprobs = compute_logprobs(self.model, *inputs, args.temperature)  # (N,)
+                    loss, token_stats = compute_loss(logprobs, response_values(mb), args)
+                    # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
                     real = mb["loss_scale"].item()
                     loss = loss * mb["loss_scale"]
-                    (loss * self.world_size).backward()  # FSDP averages over ranks; the weights already normalise
+                    (loss * self.world_size).backward()  # FSDP averages over ranks: undo it
                     stats["policy_loss"] += loss.item()
-                    stats["tokens"] += m.sum().item() * real
+                    stats["tokens"] += len(logprobs) * real
                     for key, value in token_stats.items():
                         stats[key] += value.item() * real
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
-                    raise FloatingPointError(
-                        f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-                    )
-                stats["grad_norm_sum"] += grad_norm.item()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        if self.args.colocate:  # hand the cached activation memory back: the colocated engine wakes up next
+                stats["grad_norm_sum"] += self.optimizer_step(step)
+        if self.args.colocate:  # hand the cached memory back: the colocated engine wakes up next
             torch.cuda.empty_cache()
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         return dict(stats)
@@ -541,92 +618,85 @@ class Trainer(ShardedModel):
 # TRY NOT TO MODIFY: the critic actor (one per rank), a separate FSDP2 group with its own optimizer.
 @ray.remote
 class Critic(ShardedModel):
-    def __init__(self, args: Args, model_path: str, offload: bool, rank: int, world_size: int, addr: str, port: int):
-        self.args, self.rank, self.world_size, self.offload = args, rank, world_size, offload
-        self.device = init_distributed(rank, world_size, addr, port)
+    def __init__(self, args: Args, model_path: str, offload: bool, rank, world, addr, port):
+        self.args, self.rank, self.world_size, self.offload = args, rank, world, offload
+        self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None else self.tokenizer.eos_token_id
         self.model = load_critic(model_path, self.device, args.gradient_checkpointing, pad)
-        self.sp = sp_groups(world_size, args.sp_size)
+        self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
-        )
+        params, lr, decay = self.model.parameters(), args.critic_learning_rate, args.weight_decay
+        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
         self.on_gpu(False)
 
     def on_gpu(self, needed: bool):
-        """Hybrid engine short of memory (the memory plan decides, common/memory.py): the critic waits in host RAM
-        while vLLM generates and the policy trains."""
-        if self.offload:
-            to_device(self.model, self.optimizer, self.device) if needed else to_host(self.model, self.optimizer)
+        """Hybrid engine short of memory (the memory plan decides, common/memory.py): the critic
+        waits in host RAM while vLLM generates and the policy trains."""
+        if self.offload and needed:
+            to_device(self.model, self.optimizer, self.device)
+        elif self.offload:
+            to_host(self.model, self.optimizer)
 
     @torch.no_grad()
     def forward(self, minibatches: list[list[dict]]) -> list[dict]:
-        """V_old of every response token this rank holds, with its (sequence, index), for GAE in the driver."""
+        """V_old of every response token this rank holds, with its place (seq_id, tok), for GAE."""
         self.on_gpu(True)
         self.model.eval()
         out = []
-        for mb in [mb for mini in minibatches for mb in mini]:
-            mb = self.local_part(mb)
-            values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
-            if mb["loss_scale"].item():
-                m = mb["loss_mask"][0].bool()
-                out.append({"seq_id": mb["seq_id"][0, m].cpu(), "tok": mb["tok"][0, m].cpu(), "values": values.cpu()})
+        for mb in [self.local_part(mb) for mini in minibatches for mb in mini]:
+            inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
+            predicted = compute_values(self.model, *inputs)
+            if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
+                where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
+                out.append({**where, "values": predicted.cpu()})
         self.on_gpu(False)
         return out
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
-        """Regress V_φ on the GAE returns, the same minibatches and epochs as the policy. Returns sums."""
+        """Regress V_φ on the GAE returns: the policy's minibatches and epochs. Returns sums."""
         args, stats = self.args, defaultdict(float)
         self.on_gpu(True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.critic_learning_rate)
-        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]  # SP: each token on one rank
+        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]
         self.model.train()
         for _ in range(args.num_epochs):
             for mini in minibatches:
                 for i, mb in enumerate(mini):
                     self.model.set_requires_gradient_sync(i == len(mini) - 1)
-                    m = mb["loss_mask"][0].bool()
-                    values = compute_values(self.model, mb["input_ids"], mb["position_ids"], mb["loss_mask"])
-                    loss, token_stats = compute_critic_loss(
-                        values, mb["old_values"][0, m], mb["returns"][0, m], mb["loss_weights"][0, m], args
-                    )
+                    inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
+                    predicted = compute_values(self.model, *inputs)
+                    loss, token_stats = compute_critic_loss(predicted, response_values(mb), args)
                     loss = loss * mb["loss_scale"]  # 0 for a filler micro-batch
                     (loss * self.world_size).backward()
                     stats["value_loss"] += loss.item()
                     for key, value in token_stats.items():
                         stats[key] += value.item() * mb["loss_scale"].item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                if not torch.isfinite(grad_norm):  # the same global norm on every rank: all stop before the update
-                    raise FloatingPointError(
-                        f"non-finite value loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-                    )
-                stats["critic_grad_norm_sum"] += grad_norm.item()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                stats["grad_norm_sum"] += self.optimizer_step(step)
         self.on_gpu(False)
-        if self.args.colocate:  # hand the cached activation memory back: the colocated engine wakes up next
+        if self.args.colocate:  # hand the cached memory back: the colocated engine wakes up next
             torch.cuda.empty_cache()
         return dict(stats)
 
 
-# TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's scalar head read at the last real token).
+# TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's head at the last real token).
 @ray.remote
 class RewardModel:
     def __init__(self, path: str, offload: bool):
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         torch.set_num_threads(os.cpu_count() or 1)  # Ray gives a num_cpus=1 actor one thread
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).eval()
-        self.offload = offload  # hybrid engine short of memory: on the GPU only while it scores (common/memory.py)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        # offload: the hybrid engine is short of memory, so the model is on the GPU only to score
+        self.model, self.offload = model.eval(), offload
         self.model.to("cpu" if offload else self.device)
 
     @torch.no_grad()
     def rewards(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:
-        """r(x, y) for each prompt + response token list: right-padded batches, the head at the last real token."""
+        """r(x, y) of each prompt + response: right-padded batches, the head at the last token."""
         if self.offload:
             to_device(self.model, None, self.device)
         out = []
@@ -634,237 +704,24 @@ class RewardModel:
             chunk = sequences[i : i + batch_size]
             width = max(len(s) for s in chunk)
             ids = torch.tensor([s + [0] * (width - len(s)) for s in chunk], device=self.device)
-            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.device)
-            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (b, T, H)
-            last = hidden[torch.arange(len(chunk), device=self.device), mask.sum(dim=1) - 1]  # (b, H)
-            out += self.model.score(last)[:, 0].float().tolist()  # `score`: the classification head's name in HF
+            real = [[1] * len(s) + [0] * (width - len(s)) for s in chunk]
+            mask = torch.tensor(real, device=self.device)
+            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            rows = torch.arange(len(chunk), device=self.device)
+            last = hidden[rows, mask.sum(dim=1) - 1]  # (b, H): each sequence's last real token
+            out += self.model.score(last)[:, 0].float().tolist()  # `score`: the head's name in HF
         if self.offload:
             to_host(self.model)
         return out
 
 
-def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args, parallel: bool) -> tuple:
-    """Call `method` on the policy group and the critic group, each rank with its share.
-
-    On GPUs of their own the groups run side by side; sharing GPUs (the hybrid engine) or CPU cores, one after
-    the other.
-    """
-    if not parallel:
-        return call(trainers, method, *args, per_rank=shares[0]), call(critics, method, *args, per_rank=shares[1])
-    refs = [
-        getattr(a, method).remote(s, *args)
-        for group, per in zip((trainers, critics), shares)
-        for a, s in zip(group, per)
-    ]
-    names = [f"Trainer#{i}" for i in range(len(trainers))] + [f"Critic#{i}" for i in range(len(critics))]
-    out = wait_all(refs, names, method)
-    return out[: len(trainers)], out[len(trainers) :]
-
-
-def score_responses(reward_function, batch: list, outs: list[list[dict]], tokenizer, where: str, args: Args):
-    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards), prompt-major.
-
-    A reward function that raises, hangs or returns a non-number stops the run, naming the prompt row and sample.
-    """
-    n = len(outs[0])
-    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in outs for s in group]
-    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
-    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
-    return texts, torch.tensor(call_reward(reward_function, pairs, where, args.reward_timeout, labels))
-
-
-def validate_args(args: Args) -> None:
-    """Stop with one `error:` line on flags that cannot work together; fill the defaults that depend on others.
-
-    Pure: no files, devices or Ray, so the docstring's commands are checked by a test on any machine.
-    """
-    check_ranges(
-        args,
-        {
-            ">= 0": "seed save_every kl_coef warmup_steps weight_decay",
-            ">= 1": "eval_every max_prompt_length max_response_length num_trainers num_critics sp_size num_engines "
-            "engine_tp samples_per_prompt kl_horizon num_minibatches num_epochs num_steps prompts_per_step "
-            "max_tokens_per_micro_batch",
-            "> 0": "reward_timeout engine_memory temperature value_clip_eps kl_target learning_rate "
-            "critic_learning_rate max_grad_norm",
-            "> 0, <= 1": "top_p",
-            "> 0, < 1": "clip_eps",
-            ">= 0, <= 1": "gamma lam min_lr_ratio",
-        },
-    )
-    if args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
-        raise InputError(f"--num-trainers and --num-critics must be multiples of --sp-size {args.sp_size}")
-    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards per group
-    if (args.prompts_per_step * args.samples_per_prompt) % (args.num_minibatches * max(dp_sizes)):
-        raise InputError(
-            "--prompts-per-step x --samples-per-prompt must divide into --num-minibatches x data-parallel groups"
-        )
-    if args.colocate and (args.engine_tp != 1 or not args.num_engines == args.num_critics == args.num_trainers):
-        raise InputError(
-            "--colocate puts policy rank i, critic rank i and engine i on GPU i: use --engine-tp 1 and "
-            "--num-engines = --num-critics = --num-trainers"
-        )
-    longest = args.max_prompt_length + args.max_response_length
-    if args.max_tokens_per_micro_batch is None:
-        args.max_tokens_per_micro_batch = max(512, longest)
-    if args.max_tokens_per_micro_batch < longest:
-        raise InputError(f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)")
-
-
-def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
-    """The checks that need the file system or the machine (validate_args needs neither): the output dir or the
-    run to resume (same script and model, whole checkpoints of the policy and the critic), the wandb login,
-    enough GPUs. Returns whether to use GPUs, and (run dir, checkpoint, step) of the run to resume or None."""
-    resume = check_resume(args.resume, args, script) if args.resume else None
-    if resume:
-        check_checkpoint(os.path.join(resume[1], "critic"))
-    else:
-        check_output_dir(args.output_dir)
-    check_tracking(args.track)
-    split = (
-        args.num_trainers + args.num_critics + int(args.reward_model is not None) + args.num_engines * args.engine_tp
-    )
-    # Hybrid engine: policy rank i, critic rank i and engine i share GPU i (the reward model GPU 0)
-    pairs = args.engine_tp == 1 and args.num_engines == args.num_critics == args.num_trainers
-    use_gpu, args.colocate = choose_layout(split, args.num_trainers if pairs else None, args.colocate)  # prints it
-    if use_gpu and (args.engine_memory or 0) > 1:
-        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
-    return use_gpu, resume
-
-
-def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
-    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style rows
-    (`question` + `answer`) become a user message. With a reward model the train prompts need no answer."""
-    datasets = {"train": load_rows(args.dataset, args.dataset_split)}
-    if args.eval_dataset:
-        datasets["eval"] = load_rows(args.eval_dataset, args.eval_split)
-    for split, (rows, source) in datasets.items():
-        if rows and "prompt" not in rows[0] and "question" in rows[0]:
-            rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r.get("answer")} for r in rows]
-        needs_answer = split == "eval" or args.reward_model is None
-        validate_rows(rows, ["prompt", "answer"] if needs_answer else ["prompt"], source, numeric=("answer",))
-        datasets[split] = (rows, source)
-    return datasets
-
-
-def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
-    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run, naming the
-    first, or with --drop-long are left out."""
-    ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
-    if too_long and not args.drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
-            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
-        )
-    prompts = [
-        Prompt(p, str(r.get("answer")), r["prompt"], row)
-        for row, (p, r) in enumerate(zip(ids, rows), 1)
-        if len(p) <= args.max_prompt_length
-    ]
-    if not prompts:
-        raise InputError(f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}")
-    return prompts
-
-
-def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple:
-    """Start Ray; place and start the policy trainers, the critics, the reward model (if any) and the engines
-    (common/placement.py's Layout); connect trainers and engines for the weight sync. `paths`: where each
-    loads from (on --resume the checkpoint, except π_ref: always the start model). `offload`: the critic and the
-    reward model wait in host RAM when idle (colocated on too little memory: the memory plan's decision)."""
-    use_reward_model = args.reward_model is not None
-    layout = Layout(
-        use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate, args.num_critics, use_reward_model
-    )
-    init_ray(len(layout.bundles))
-    pg = make_placement_group(layout.bundles, use_gpu)
-    trainers = spawn_trainers(Trainer, pg, layout.trainers, args, paths["policy"], paths["reference"])
-    critics = spawn_trainers(Critic, pg, layout.critics, args, paths["critic"], offload)
-    reward_model = None
-    if use_reward_model:
-        reward_model = RewardModel.options(**layout.reward_model.options(pg)).remote(paths["reward_model"], offload)
-        wait_started([reward_model])
-    backend = choose_backend(use_gpu, args.colocate)
-    engines = spawn_engines(
-        pg,
-        layout.engines,
-        model_path=paths["policy"],
-        seed=args.seed,
-        backend=backend,
-        tp=args.engine_tp,
-        max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu,
-        sleep_mode=args.colocate,
-        memory=args.engine_memory or ((0.4 if args.colocate else 0.85) if use_gpu else 1.0),
-    )
-    addr, port = rendezvous_address(pg, 0)  # on trainer rank 0's node: it is the sender
-    call(trainers, "init_weight_sync", engines, backend, addr, port)
-    return trainers, critics, reward_model, engines
-
-
-def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args: Args) -> tuple:
-    """The step's sequences, built and packed once: the forward passes (π_θold, π_ref, V_old) and the training
-    passes run on the same micro-batches. Responses in a seeded shuffle are dealt into --num-minibatches
-    minibatches, each token weighted 1 / (tokens of its minibatch), packed for each group's data-parallel ranks.
-    Returns shares[group][rank][minibatch] = micro-batches (group 0: the policy, 1: the critic); every response
-    token carries its sequence and its place in the response (seq_id, tok) for fill_token_values."""
-    n, lengths = args.samples_per_prompt, [len(s["token_ids"]) for s in responses]
-    order = torch.randperm(len(responses), generator=torch.Generator().manual_seed(args.seed + step)).tolist()
-    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)
-    shares = ([[] for _ in range(dp_sizes[0])], [[] for _ in range(dp_sizes[1])])
-    for mini in [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]:
-        weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any number of ranks
-        seqs = []
-        for i in mini:
-            tokens = {"seq_id": [i] * lengths[i], "tok": range(lengths[i]), "loss_weights": [weight] * lengths[i]}
-            seqs.append(make_sequence(batch[i // n].ids, responses[i]["token_ids"], **tokens))
-        for dp, share in zip(dp_sizes, shares):
-            for rank, micro in enumerate(split_for_ranks(seqs, dp, args.max_tokens_per_micro_batch)):
-                share[rank].append(micro)
-    return tuple(shares_per_rank(share, args.sp_size) for share in shares)
-
-
-def fill_token_values(shares: tuple, **values: torch.Tensor) -> None:
-    """Write per-token values (B, T) into every micro-batch at its response tokens, found by (seq_id, tok)."""
-    for mb in {id(mb): mb for group in shares for rank in group for mini in rank for mb in mini}.values():
-        m = mb["loss_mask"][0].bool()
-        seq_id, tok = mb["seq_id"][0, m].long(), mb["tok"][0, m].long()
-        for key, v in values.items():
-            mb[key] = torch.zeros_like(mb["loss_weights"])
-            mb[key][0, m] = v[seq_id, tok]
-
-
 def main(args: Args):
-    # ---- validate everything cheap before anything expensive starts ----
+    # ---- check everything cheap, then start Ray and the actors (SETUP AND CHECKS below) ----
     validate_args(args)
     n = args.samples_per_prompt
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
-    reward_function = load_function(args.reward_fn) if args.reward_fn else reward_fn
-    datasets = read_prompt_rows(args)
-    reward_model_path = None
-    if args.reward_model is not None:
-        reward_model_path = resolve_model(args.reward_model)
-        check_weights(reward_model_path, "--reward-model")
-        if AutoConfig.from_pretrained(reward_model_path).num_labels != 1:
-            raise InputError(f"--reward-model {args.reward_model}: expected one label (an rm.py output)")
-    else:  # a broken reward function should fail now, not after a rollout
-        answer = str(datasets["train"][0][0]["answer"])
-        call_reward(reward_function, [("", answer), (answer, answer)], "test calls before the run", args.reward_timeout)
-    model_path = resolve_model(args.model)
-    check_weights(model_path, "model")
-    critic_path = resolve_model(args.critic_model) if args.critic_model else model_path
-    check_weights(critic_path, "--critic-model")
-    offload = memory.check_run(  # a run that cannot fit stops here; colocated, it may park the critic in host RAM
-        args, use_gpu, model_path, reference=True, critic=critic_path, reward_model=reward_model_path
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = {split: encode_prompts(rows, source, tokenizer, args) for split, (rows, source) in datasets.items()}
-
-    # ---- start Ray; place policy trainers, critics, engines and the reward model; connect weight sync ----
-    paths = {"policy": resume_ckpt or model_path, "reference": model_path}
-    paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
-    paths["reward_model"] = reward_model_path
+    paths, tokenizer, prompts, reward_function, offload = prepare_inputs(args, use_gpu, resume_ckpt)
     trainers, critics, reward_model, engines = start_actors(args, use_gpu, paths, offload)
     kl_coef = args.kl_coef
     if args.resume:
@@ -873,15 +730,18 @@ def main(args: Args):
         with open(os.path.join(resume_ckpt, "ppo_state.json")) as f:
             kl_coef = json.load(f)["kl_coef"]
     run = Run(args, run_dir, resume_step)
-    reward_source = f"reward model {args.reward_model}" if args.reward_model else "rule verifier"
-    run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  reward: {reward_source}")
+    reward = f"reward model {args.reward_model}" if args.reward_model else "rule verifier"
+    what = f"prompts: {len(prompts['train'])}  reward: {reward}"
+    run.print(f"run dir: {run.dir}  model: {args.model}  {what}")
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
 
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        outs = generate(engines, [p.ids for p in prompts["eval"]], n=1, temperature=0.0, **sampling)  # greedy
-        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, f"eval at step {step}", args)
+        ids = [p.ids for p in prompts["eval"]]
+        outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
+        where = f"eval at step {step}"
+        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, where, args)
         return {"eval/accuracy": rewards.mean().item()}
 
     def save(done: int | str, with_optimizer: bool):
@@ -891,8 +751,9 @@ def main(args: Args):
             with open(os.path.join(run.checkpoint_dir(done), "ppo_state.json"), "w") as f:
                 json.dump({"kl_coef": kl_coef}, f)
 
-    # ---- training loop: generate -> score -> old logprobs, values -> rewards, GAE -> train both -> sync ----
-    console = ("rollout/reward", "train/policy_loss", "train/value_loss", "train/kl", "eval/accuracy", "time/step")
+    # ---- training loop: generate -> score -> π_θold, π_ref, V_old -> rewards, GAE -> train ----
+    console = ("rollout/reward", "train/policy_loss", "train/value_loss", "train/kl")
+    console += ("eval/accuracy", "time/step")
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
@@ -901,108 +762,312 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.prompts_per_step, args.seed)]
-        outs = generate(engines, [p.ids for p in batch], n=n, temperature=args.temperature, draw=step, **sampling)
+        ids = [p.ids for p in batch]
+        outs = generate(engines, ids, n=n, temperature=args.temperature, draw=step, **sampling)
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
         t_gen = time.time()
 
         # ALGO LOGIC: one scalar score r(x, y) per response, from the verifier or the reward model
-        responses = [s for group in outs for s in group]  # (B,) prompt-major, B = prompts x samples_per_prompt
+        responses = [s for group in outs for s in group]  # (B,) prompt-major, B = prompts x samples
         texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in responses]
         if reward_model is not None:
-            full = [reward_model_input(tokenizer, batch[i // n].text, text) for i, text in enumerate(texts)]
-            scores = torch.tensor(wait_all([reward_model.rewards.remote(full)], ["RewardModel#0"], "rewards")[0])
+            asked = [batch[i // n].text for i in range(len(texts))]
+            full = [reward_model_input(tokenizer, q, t) for q, t in zip(asked, texts)]
+            scored = wait_all([reward_model.rewards.remote(full)], ["RewardModel#0"], "rewards")
+            scores = torch.tensor(scored[0])  # (B,)
         else:
-            _, scores = score_responses(reward_function, batch, outs, tokenizer, f"step {step + 1}", args)  # (B,)
+            where = f"step {step + 1}"
+            _, scores = score_responses(reward_function, batch, outs, tokenizer, where, args)
         t_score = time.time()
 
-        # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then rewards, GAE, whitening
+        # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then the per-token
+        # rewards, GAE and whitening; both groups then train on the same micro-batches
         lengths = [len(s["token_ids"]) for s in responses]
-        shares = plan_minibatches(batch, responses, step, args)  # the same micro-batches for forward and training
-        apart = use_gpu and not args.colocate  # on GPUs of their own the two groups run side by side
+        shares = plan_minibatches(batch, responses, step, args)  # packed once, for both passes
+        apart = use_gpu and not args.colocate  # on GPUs of their own: side by side
         policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=apart)
-        logprobs, ref_logprobs = (
-            to_padded(policy_out, "logprobs", lengths),
-            to_padded(policy_out, "ref_logprobs", lengths),
+        logprobs = to_padded(policy_out, "logprobs", lengths)  # (B, T)
+        ref_logprobs = to_padded(policy_out, "ref_logprobs", lengths)
+        values = to_padded(critic_out, "values", lengths)
+        mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).float()  # (B, T)
+        rewards, kl = compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask)
+        fill_token_values(
+            shares, advantages=advantages, returns=returns, old_logprobs=logprobs, old_values=values
         )
-        values = to_padded(critic_out, "values", lengths)  # (B, T)
-        response_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).float()  # (B, T)
-        rewards, kl = compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
-        advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, response_mask)
-        fill_token_values(shares, advantages=advantages, returns=returns, old_logprobs=logprobs, old_values=values)
         t_fwd = time.time()
 
-        policy_results, critic_results = call_groups(trainers, critics, "train_step", shares, step, parallel=apart)
+        results = call_groups(trainers, critics, "train_step", shares, step, parallel=apart)
         t_train = time.time()
 
-        sync_weights(trainers, engines, args.colocate)  # wake (colocated), push, check: common/weight_sync.py
+        # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
+        sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ALGO LOGIC: adapt β toward the target KL per response (Ziegler et al. 2019)
         kl_per_response = kl.sum(dim=1).mean().item()
         metrics = {"train/kl_coef": kl_coef, "train/kl": kl_per_response}
         if args.kl_target is not None:
-            kl_coef = update_kl_coef(kl_coef, kl_per_response, args.kl_target, args.kl_horizon, len(responses))
+            target, horizon = args.kl_target, args.kl_horizon
+            kl_coef = update_kl_coef(kl_coef, kl_per_response, target, horizon, len(responses))
 
         # ---- log ----
-        engine_logprobs = torch.zeros_like(logprobs)  # what vLLM sampled with, against π_θold on the same weights
-        for i, s in enumerate(responses):
-            engine_logprobs[i, : lengths[i]] = torch.tensor(s["logprobs"])
-        summed = ("policy_loss", "tokens", "clipped_tokens", "approx_kl_sum")  # each policy rank's share
-        total = {k: sum(x.get(k, 0.0) for x in policy_results) for k in summed}
-        total |= {k: sum(x.get(k, 0.0) for x in critic_results) for k in ("value_loss", "value_clipped_tokens")}
-        num_updates = args.num_minibatches * args.num_epochs
-        num_tokens = response_mask.sum().item()
-        train_tokens = sum(len(batch[i // n].ids) + lengths[i] for i in range(len(responses)))
-        diff = (logprobs - engine_logprobs).abs() * response_mask
+        times = (t0, t_gen, t_score, t_fwd, t_train, t_sync)
+        trained = sum(len(batch[i // n].ids) + lengths[i] for i in range(len(responses)))
+        trained *= args.num_epochs
         metrics |= {
-            "rollout/reward": scores.mean().item(),
-            "rollout/reward_std": scores.std().item(),
-            "rollout/response_length": sum(lengths) / len(lengths),
-            "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses) / len(responses),
-            "rollout/value_mean": ((values * response_mask).sum() / num_tokens).item(),
-            "rollout/return_mean": ((returns * response_mask).sum() / num_tokens).item(),
-            "train/policy_loss": total["policy_loss"] / num_updates,
-            "train/value_loss": total["value_loss"] / num_updates,
-            "train/clipfrac": total["clipped_tokens"] / total["tokens"],
-            "train/value_clipfrac": total["value_clipped_tokens"] / total["tokens"],
-            "train/approx_kl": total["approx_kl_sum"] / total["tokens"],
-            "train/explained_variance": explained_variance(values, returns, response_mask),
-            "train/grad_norm": policy_results[0]["grad_norm_sum"] / num_updates,  # global norms: same on every rank
-            "train/critic_grad_norm": critic_results[0]["critic_grad_norm_sum"] / num_updates,
-            "train/lr": policy_results[0]["lr"],
-            "train/logprob_diff_mean": diff.sum().item() / num_tokens,
-            "train/logprob_diff_max": diff.max().item(),
-            "time/generate": t_gen - t0,
-            "time/score": t_score - t_gen,
-            "time/forward": t_fwd - t_score,
-            "time/train": t_train - t_fwd,
-            "time/sync": t_sync - t_train,
-            "time/step": t_sync - t0,
-            "perf/generate_tokens_per_s": sum(lengths) / (t_gen - t0),
-            "perf/train_tokens_per_s": 2 * train_tokens * args.num_epochs / (t_train - t_fwd),  # policy + critic
+            **rollout_metrics(scores, responses, values, returns, mask),
+            **train_metrics(*results, args, values, returns, mask),
+            **engine_metrics(responses, logprobs, mask),
+            **time_metrics(times, sum(lengths), trained),
         }
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
-        samples = [(batch[i // n], texts[i], scores[i].item()) for i in range(min(len(texts), 2 * n))]
-        run.log_samples(
-            done, [{"prompt": p.text, "response": t, "answer": p.answer, "reward": r} for p, t, r in samples]
-        )
+        rows = [
+            {"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer,
+             "reward": scores[i].item()}
+            for i in range(min(len(texts), 2 * n))
+        ]  # fmt: skip
+        run.log_samples(done, rows)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             save(done, with_optimizer=True)
 
     # ---- teardown: final policy in HF format ----
     save("final", with_optimizer=False)
     if first and "eval/accuracy" in metrics:
-        run.print(
-            f"greedy accuracy on the held-out prompts: {first['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f}"
-        )
+        before, after = first["eval/accuracy"], metrics["eval/accuracy"]
+        run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
     run.print(f"final model: {run.checkpoint_dir('final')}")
     run.close()
     ray.shutdown()
+
+
+# TRY NOT TO MODIFY: the loop's plumbing.
+def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args, parallel: bool):
+    """Call `method` on the policy group and the critic group, each rank with its share. On GPUs of
+    their own the groups run side by side; sharing GPUs (the hybrid engine) or CPU cores, one after
+    the other."""
+    if not parallel:
+        policy = call(trainers, method, *args, per_rank=shares[0])
+        return policy, call(critics, method, *args, per_rank=shares[1])
+    refs = [getattr(a, method).remote(s, *args) for a, s in zip(trainers, shares[0])]
+    refs += [getattr(a, method).remote(s, *args) for a, s in zip(critics, shares[1])]
+    names = [f"Trainer#{i}" for i in range(len(trainers))]
+    names += [f"Critic#{i}" for i in range(len(critics))]
+    out = wait_all(refs, names, method)
+    return out[: len(trainers)], out[len(trainers) :]
+
+
+def score_responses(reward_function, batch: list, outs: list, tokenizer, where: str, args: Args):
+    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards),
+    prompt-major. A reward function that raises, hangs or returns a non-number stops the run, naming
+    the prompt row and sample.
+    """
+    n = len(outs[0])
+    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
+    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
+    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
+    rewards = call_reward(reward_function, pairs, where, args.reward_timeout, labels)
+    return texts, torch.tensor(rewards)
+
+
+def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args: Args) -> tuple:
+    """The step's sequences, built and packed once: the forward passes (π_θold, π_ref, V_old) and
+    the training passes run on the same micro-batches. Responses in a seeded shuffle are dealt into
+    --num-minibatches minibatches, each token weighted 1 / (tokens of its minibatch), packed for
+    each group's data-parallel ranks. Returns shares[group][rank][minibatch] = micro-batches (group
+    0: the policy, 1: the critic); every response token carries its sequence and its place in the
+    response (seq_id, tok) for fill_token_values."""
+    n, lengths = args.samples_per_prompt, [len(s["token_ids"]) for s in responses]
+    seed = torch.Generator().manual_seed(args.seed + step)
+    order = torch.randperm(len(responses), generator=seed).tolist()
+    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)
+    shares = ([[] for _ in range(dp_sizes[0])], [[] for _ in range(dp_sizes[1])])
+    for mini in [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]:
+        weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any ranks
+        seqs = [
+            make_sequence(batch[i // n].ids, responses[i]["token_ids"], seq_id=[i] * lengths[i],
+                          tok=range(lengths[i]), loss_weights=[weight] * lengths[i])
+            for i in mini
+        ]  # fmt: skip
+        for dp, share in zip(dp_sizes, shares):
+            micros = data.split_for_ranks(seqs, dp, args.max_tokens_per_micro_batch)
+            for rank, micro in enumerate(micros):
+                share[rank].append(micro)
+    return tuple(shares_per_rank(share, args.sp_size) for share in shares)
+
+
+def fill_token_values(shares: tuple, **values: torch.Tensor) -> None:
+    """Write per-token values (B, T) into every micro-batch at its response tokens, found by
+    (seq_id, tok)."""
+    unique = {id(mb): mb for group in shares for rank in group for mini in rank for mb in mini}
+    for mb in unique.values():  # an SP group's ranks share their micro-batches
+        m = mb["loss_mask"][0].bool()
+        seq_id, tok = mb["seq_id"][0, m].long(), mb["tok"][0, m].long()
+        for key, v in values.items():
+            mb[key] = torch.zeros_like(mb["loss_weights"])
+            mb[key][0, m] = v[seq_id, tok]
+
+
+# SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
+def validate_args(args: Args) -> None:
+    """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
+    work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
+    docstring's commands are checked by a test on any machine."""
+    check_ranges(args)
+    if args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
+        raise InputError(
+            f"--num-trainers and --num-critics must be multiples of --sp-size {args.sp_size}"
+        )
+    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)  # data shards
+    if (args.prompts_per_step * args.samples_per_prompt) % (args.num_minibatches * max(dp_sizes)):
+        raise InputError(
+            "--prompts-per-step x --samples-per-prompt must divide into --num-minibatches x "
+            "data-parallel groups"
+        )
+    same = args.num_engines == args.num_critics == args.num_trainers
+    if args.colocate and (args.engine_tp != 1 or not same):
+        raise InputError(
+            "--colocate puts policy rank i, critic rank i and engine i on GPU i: use --engine-tp 1 "
+            "and --num-engines = --num-critics = --num-trainers"
+        )
+    longest = args.max_prompt_length + args.max_response_length
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = max(512, longest)
+    if args.max_tokens_per_micro_batch < longest:
+        raise InputError(
+            f"--max-tokens-per-micro-batch must fit one prompt + response ({longest} tokens)"
+        )
+
+
+def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
+    """The checks that need the file system or the machine: the output dir or the run to resume
+    (same script and model, whole checkpoints of the policy and the critic), the wandb login, the
+    GPUs and the layout (too few GPUs: the hybrid engine, which it prints). Returns whether to use
+    GPUs, and (run dir, checkpoint, step) to resume or None."""
+    resume = checkpoint.check_resume(args.resume, args, script) if args.resume else None
+    if resume:
+        checkpoint.check(os.path.join(resume[1], "critic"))
+    else:
+        tracking.check_output_dir(args.output_dir)
+    tracking.check_tracking(args.track)
+    rm = int(args.reward_model is not None)
+    apart = args.num_trainers + args.num_critics + rm + args.num_engines * args.engine_tp
+    # Hybrid engine: policy rank i, critic rank i and engine i share GPU i (the reward model GPU 0)
+    same = args.engine_tp == 1 and args.num_engines == args.num_critics == args.num_trainers
+    shared = args.num_trainers if same else None
+    use_gpu, args.colocate = placement.choose_layout(apart, shared, args.colocate)
+    if use_gpu and (args.engine_memory or 0) > 1:
+        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
+    return use_gpu, resume
+
+
+def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
+    """Read and check the data, the reward (the function's two test calls, or the reward model) and
+    the models; plan the GPUs' memory; tokenize. Returns ({role: model folder}, tokenizer, {split:
+    [Prompt]}, reward function, whether idle models wait in host RAM)."""
+    reward_function = data.load_function(args.reward_fn) if args.reward_fn else reward_fn
+    datasets = read_prompt_rows(args)
+    reward_model_path = None
+    if args.reward_model is not None:
+        reward_model_path = models.resolve_model(args.reward_model)
+        models.check_weights(reward_model_path, "--reward-model")
+        if AutoConfig.from_pretrained(reward_model_path).num_labels != 1:
+            raise InputError(f"--reward-model {args.reward_model}: not one label (an rm.py output)")
+    else:  # a broken reward function fails now, not after a rollout
+        answer = str(datasets["train"][0][0]["answer"])
+        pairs = [("", answer), (answer, answer)]
+        call_reward(reward_function, pairs, "test calls before the run", args.reward_timeout)
+    model_path = models.resolve_model(args.model)
+    models.check_weights(model_path, "model")
+    critic_path = models.resolve_model(args.critic_model) if args.critic_model else model_path
+    models.check_weights(critic_path, "--critic-model")
+    # a run that cannot fit stops here; colocated, the critic and reward model may wait in host RAM
+    offload = memory.check_run(args, use_gpu, model_path, True, critic_path, reward_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = {
+        split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()
+    }
+    paths = {"policy": resume_ckpt or model_path, "reference": model_path}
+    paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
+    paths["reward_model"] = reward_model_path
+    return paths, tokenizer, prompts, reward_function, offload
+
+
+def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
+    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style
+    rows (`question` + `answer`) become a user message. With a reward model the train prompts need
+    no answer."""
+    datasets = {"train": data.load_rows(args.dataset, args.dataset_split)}
+    if args.eval_dataset:
+        datasets["eval"] = data.load_rows(args.eval_dataset, args.eval_split)
+    for split, (rows, source) in datasets.items():
+        if rows and "prompt" not in rows[0] and "question" in rows[0]:
+            asked = [[{"role": "user", "content": r["question"]}] for r in rows]
+            rows = [{"prompt": q, "answer": r.get("answer")} for q, r in zip(asked, rows)]
+        answered = split == "eval" or args.reward_model is None  # a reward model needs no answer
+        columns = ["prompt", "answer"] if answered else ["prompt"]
+        data.validate_rows(rows, columns, source, numeric=("answer",))
+        datasets[split] = (rows, source)
+    return datasets
+
+
+def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
+    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run,
+    naming the first, or with --drop-long are left out."""
+    ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
+    if too_long and not args.drop_long:
+        raise InputError(
+            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
+            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass "
+            "--drop-long"
+        )
+    prompts = [
+        Prompt(p, str(r.get("answer")), r["prompt"], row)
+        for row, (p, r) in enumerate(zip(ids, rows), 1)
+        if len(p) <= args.max_prompt_length
+    ]
+    if not prompts:
+        raise InputError(
+            f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}"
+        )
+    return prompts
+
+
+def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple:
+    """Start Ray; place and start the policy trainers, the critics, the reward model (if any) and
+    the engines (common/placement.py's Layout); connect trainers and engines for the weight sync.
+    `paths`: where each loads from (on --resume the checkpoint, except π_ref: always the start
+    model). `offload`: the critic and the reward model wait in host RAM when idle (the memory plan's
+    choice)."""
+    rm = args.reward_model is not None
+    sizes = (args.num_trainers, args.num_engines, args.engine_tp, args.colocate, args.num_critics)
+    layout = placement.Layout(use_gpu, *sizes, rm)
+    placement.init_ray(len(layout.bundles))
+    pg = placement.make_placement_group(layout.bundles, use_gpu)
+    policy, reference = paths["policy"], paths["reference"]
+    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, policy, reference)
+    critics = placement.spawn_trainers(Critic, pg, layout.critics, args, paths["critic"], offload)
+    reward_model = None
+    if rm:
+        options = layout.reward_model.options(pg)
+        reward_model = RewardModel.options(**options).remote(paths["reward_model"], offload)
+        placement.wait_started([reward_model])
+    backend = weight_sync.choose_backend(use_gpu, args.colocate)
+    engines = spawn_engines(
+        pg, layout.engines, model_path=paths["policy"], seed=args.seed, backend=backend,
+        tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
+        use_gpu=use_gpu, sleep_mode=args.colocate,
+        memory=memory.engine_memory(args) if use_gpu else 1.0,
+    )  # fmt: skip
+    addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
+    call(trainers, "init_weight_sync", engines, backend, addr, port)
+    return trainers, critics, reward_model, engines
 
 
 if __name__ == "__main__":

@@ -1,18 +1,22 @@
-"""The GPU benchmark table for docs/benchmarks.md, from grpo.py run directories and a GPU memory log.
+"""The GPU benchmark table for docs/benchmarks.md, from grpo.py run directories and a GPU memory
+log.
 
     python benchmark/gpu_report.py RUN_DIR [RUN_DIR ...] [--memory nvidia-smi.log]
 
-Per run: seconds per step for generation, training, weight sync and the whole step (mean over the steps after
-the first, which also pays one-time allocator and kernel warm-up; the first step is shown apart), mean response
-length, generated and trained tokens per second, and the peak GPU memory that nvidia-smi saw (all processes,
-MiB, one value per line of the log). The step-time target: the colocated reference config within 19.9 s.
+Per run: seconds per step for generation, training, weight sync and the whole step (mean over the
+steps after the first, which also pays one-time allocator and kernel warm-up; the first step is
+shown apart), mean response length, generated and trained tokens per second, and the peak GPU memory
+that nvidia-smi saw (all processes, MiB, one value per line of the log). The step-time target: the
+colocated reference config within 19.9 s.
 """
 
 import argparse
 import json
 import os
 
-TARGET_STEP_S = 19.9  # 1.08 x (14.9 s pure generation + 3.5 s pure training), both measured on one H100
+TARGET_STEP_S = (
+    19.9  # 1.08 x (14.9 s pure generation + 3.5 s pure training), both measured on one H100
+)
 
 
 def report(run_dir: str) -> dict:
@@ -40,7 +44,9 @@ def report(run_dir: str) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("runs", nargs="+")
-    parser.add_argument("--memory", help="nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits log")
+    parser.add_argument(
+        "--memory", help="nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits log"
+    )
     args = parser.parse_args()
     peak = None
     if args.memory and os.path.exists(args.memory):
@@ -58,15 +64,20 @@ def main():
     for r in rows:
         if "colocated" in r["layout"]:
             verdict = "within" if r["step (s)"] <= TARGET_STEP_S else "OVER"
-            print(f"{r['run']}: {r['step (s)']:.2f} s per step, {verdict} the {TARGET_STEP_S} s target")
+            print(
+                f"{r['run']}: {r['step (s)']:.2f} s per step, {verdict} the {TARGET_STEP_S} s target"
+            )
         print(f"{r['run']}: weight sync {r['sync (s)']:.2f} s per step (target < 1 s for 0.5B)")
-    # grpo_async.py's target: a step within 1.1 x max(generation, training) of grpo.py's split run (same batch)
+    # grpo_async.py's target: a step within 1.1 x max(generation, training) of grpo.py's split run
+    # (same batch)
     split = [r for r in rows if r["script"] == "grpo.py" and "colocated" not in r["layout"]]
     for r in rows:
         if r["script"] == "grpo_async.py" and split:
             bound = 1.1 * max(split[0]["generate (s)"], split[0]["train (s)"])
             verdict = "within" if r["step (s)"] <= bound else "OVER"
-            print(f"{r['run']}: {r['step (s)']:.2f} s per step, {verdict} 1.1 x max(generate, train) = {bound:.2f} s")
+            print(
+                f"{r['run']}: {r['step (s)']:.2f} s per step, {verdict} 1.1 x max(generate, train) = {bound:.2f} s"
+            )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""Peak memory of the sampled tokens' log-probabilities, forward and backward: plain logits against the chunked LM
-head (common/lm_head.py), on the CPU.
+"""Peak memory of the sampled tokens' log-probabilities, forward and backward: plain logits against
+the chunked LM head (common/lm_head.py), on the CPU.
 
     .venv/bin/python benchmark/logprob_memory.py [--tokens 1024 4096] [--vocab 151936] [--hidden 896]
 
-plain:   logits = h W^T in fp32, log_softmax, gather, backward (what compute_logprobs did before).
-chunked: TokenLogprobs, 256 MiB of logits at a time, recomputed in the backward.
-Each measurement runs in a fresh process; reported: the peak resident set (VmHWM) minus the resident set after
-the inputs (hidden states, head weight, labels) were made, i.e. what the computation itself added, and seconds.
+plain: logits = h W^T in fp32, log_softmax, gather, backward (what compute_logprobs did before).
+chunked: TokenLogprobs, 256 MiB of logits at a time, recomputed in the backward. Each measurement
+runs in a fresh process; reported: the peak resident set (VmHWM) minus the resident set after the
+inputs (hidden states, head weight, labels) were made, i.e. what the computation itself added, and
+seconds.
 """
 
 import argparse
@@ -52,15 +53,29 @@ def main():
     if args.measure:
         kind, tokens, vocab, hidden = args.measure
         return measure(kind, int(tokens), int(vocab), int(hidden))
-    print(f"vocab {args.vocab}, hidden {args.hidden}, fp32 on CPU; peak memory added (GiB) and seconds, fwd + bwd")
+    print(
+        f"vocab {args.vocab}, hidden {args.hidden}, fp32 on CPU; peak memory added (GiB) and seconds, fwd + bwd"
+    )
     print("| tokens | plain GiB | chunked GiB | plain s | chunked s |")
     print("| --- | --- | --- | --- | --- |")
     for tokens in args.tokens:
         out = {}
         for kind in ("plain", "chunked"):
-            cmd = [sys.executable, __file__, "--measure", kind, str(tokens), str(args.vocab), str(args.hidden)]
-            out[kind] = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
-        print(f"| {tokens} | {out['plain'][0]} | {out['chunked'][0]} | {out['plain'][1]} | {out['chunked'][1]} |")
+            cmd = [
+                sys.executable,
+                __file__,
+                "--measure",
+                kind,
+                str(tokens),
+                str(args.vocab),
+                str(args.hidden),
+            ]
+            out[kind] = subprocess.run(
+                cmd, capture_output=True, text=True, check=True
+            ).stdout.split()
+        print(
+            f"| {tokens} | {out['plain'][0]} | {out['chunked'][0]} | {out['plain'][1]} | {out['chunked'][1]} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The memory plans in docs/cluster.md, computed by common/memory.py (the check every script runs before it starts).
+"""The memory plans in docs/cluster.md, computed by common/memory.py (the check every script runs
+before it starts).
 
     .venv/bin/python benchmark/memory_plan.py        # prints the markdown table of docs/cluster.md
 
-Model shapes are the published configs (real vocabularies; built on the meta device, no download). The GPU is an
-H100 80GB: 81,559 MiB as nvidia-smi reports it. Computed, not measured.
+Model shapes are the published configs (real vocabularies; built on the meta device, no download).
+The GPU is an H100 80GB: 81,559 MiB as nvidia-smi reports it. Computed, not measured.
 """
 
 import os
@@ -60,20 +61,27 @@ def cases() -> list[tuple[str, str, Job]]:
 
 
 def rows() -> list[str]:
-    """The markdown table: per run, each GPU's peak phase, its GiB and what makes it up, and the verdict."""
+    """The markdown table: per run, each GPU's peak phase, its GiB and what makes it up, and the
+    verdict."""
     out = ["| run | layout | per GPU (GiB of 79.6) | verdict |", "| --- | --- | --- | --- |"]
     for run, layout, job in cases():
         try:
             job = check(job, H100)[0]
-            verdict = "fits" + (" (critic and reward model offloaded when idle)" if job.offload else "")
+            verdict = "fits" + (
+                " (critic and reward model offloaded when idle)" if job.offload else ""
+            )
         except SystemExit as e:
-            verdict = "refused: " + str(e.code).split("fit; ", 1)[-1].replace("it would fit with ", "fits with ")
+            verdict = "refused: " + str(e.code).split("fit; ", 1)[-1].replace(
+                "it would fit with ", "fits with "
+            )
         peaks = {}
         for gpu, phase, parts in needs(job, H100):
             total = sum(parts.values())
             if total > peaks.get(gpu, (None, -1))[1]:
                 peaks[gpu] = (phase, total)
-        where = "; ".join(f"{gpu} {phase}: {total / GiB:.1f}" for gpu, (phase, total) in peaks.items())
+        where = "; ".join(
+            f"{gpu} {phase}: {total / GiB:.1f}" for gpu, (phase, total) in peaks.items()
+        )
         out.append(f"| {run} | {layout} | {where} | {verdict} |")
     return out
 
@@ -83,7 +91,8 @@ def detail(run_index: int) -> list[str]:
     _, _, job = cases()[run_index]
     job = replace(job, offload=check(job, H100)[0].offload)
     return [
-        f"{gpu} {phase}: " + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v >= GiB / 20)
+        f"{gpu} {phase}: "
+        + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v >= GiB / 20)
         for gpu, phase, parts in needs(job, H100)
     ]
 

@@ -1,12 +1,13 @@
-"""Build a model with random weights and the shape of a known one, plus the built-in tokenizer: no hub needed.
+"""Build a model with random weights and the shape of a known one, plus the built-in tokenizer: no
+hub needed.
 
     .venv/bin/python benchmark/random_model.py qwen2.5-0.5b /tmp/posttrain-bench/qwen2.5-0.5b-random [--head score]
 
-Shapes: qwen2.5-0.5b and qwen2.5-1.5b (Qwen2.5's configs, vocab cut to the built-in tokenizer's 49152), and
-llama-1b (1.0B parameters, for the loading benchmark). Weights are saved in bf16, as hub checkpoints are (the
-trainers load them into fp32 master weights). Random weights rarely sample EOS, so generation runs to the
-length limit: what a throughput benchmark wants. `--head score`: a one-label sequence classifier of that shape (a
-reward model or a critic as rm.py writes them).
+Shapes: qwen2.5-0.5b and qwen2.5-1.5b (Qwen2.5's configs, vocab cut to the built-in tokenizer's
+49152), and llama-1b (1.0B parameters, for the loading benchmark). Weights are saved in bf16, as hub
+checkpoints are (the trainers load them into fp32 master weights). Random weights rarely sample EOS,
+so generation runs to the length limit: what a throughput benchmark wants. `--head score`: a
+one-label sequence classifier of that shape (a reward model or a critic as rm.py writes them).
 """
 
 import os
@@ -29,9 +30,14 @@ SHAPES = {
 
 def make_random_model(shape: str, path: str, head: str = "lm") -> str:
     """Write the model to `path` (once: an existing folder is kept) and return `path`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
-    from common.model import BUILTIN_MODEL, resolve_model
+    from common.models import BUILTIN_MODEL, resolve_model
 
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
@@ -45,7 +51,10 @@ def make_random_model(shape: str, path: str, head: str = "lm") -> str:
     torch.manual_seed(0)
     auto = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
     model = auto.from_config(config, dtype=torch.bfloat16)
-    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters -> {path}", flush=True)
+    print(
+        f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters -> {path}",
+        flush=True,
+    )
     model.save_pretrained(path + ".tmp")
     tokenizer.save_pretrained(path + ".tmp")
     os.rename(path + ".tmp", path)
@@ -53,4 +62,8 @@ def make_random_model(shape: str, path: str, head: str = "lm") -> str:
 
 
 if __name__ == "__main__":
-    print(make_random_model(sys.argv[1], sys.argv[2], sys.argv[4] if sys.argv[3:4] == ["--head"] else "lm"))
+    print(
+        make_random_model(
+            sys.argv[1], sys.argv[2], sys.argv[4] if sys.argv[3:4] == ["--head"] else "lm"
+        )
+    )

@@ -1,13 +1,16 @@
-"""Peak memory per rank of one training step (forward + backward) against sequence length, for sp 1, 2, 4.
+"""Peak memory per rank of one training step (forward + backward) against sequence length, for sp 1,
+2, 4.
 
-A model with SmolLM2-135M's shapes (hidden 576, 9 query / 3 K/V heads, vocab 49152) but 4 decoder layers and
-random weights, so that long rows fit a CPU's time. One packed row of T tokens (4 sequences of T/4) goes
-through sft.py's load_policy + compute_logprobs with the loss on every token; with sp > 1 the row is split
-with shard_micro_batch and attention runs as common/ring_attn.py's ring over gloo (one process per rank).
+A model with SmolLM2-135M's shapes (hidden 576, 9 query / 3 K/V heads, vocab 49152) but 4 decoder
+layers and random weights, so that long rows fit a CPU's time. One packed row of T tokens (4
+sequences of T/4) goes through sft.py's load_policy + compute_logprobs with the loss on every token;
+with sp > 1 the row is split with shard_micro_batch and attention runs as common/ring_attn.py's ring
+over gloo (one process per rank).
 
-What is measured: on CUDA, torch.cuda.max_memory_allocated during the step minus the memory before it; on
-CPU, the rise of the process's peak resident set (VmHWM, reset via /proc/self/clear_refs just before the
-step) over its resident set before the step. Both are per rank; the table shows the largest rank.
+What is measured: on CUDA, torch.cuda.max_memory_allocated during the step minus the memory before
+it; on CPU, the rise of the process's peak resident set (VmHWM, reset via /proc/self/clear_refs just
+before the step) over its resident set before the step. Both are per rank; the table shows the
+largest rank.
 
     .venv/bin/python benchmark/ring_attn_memory.py --lengths 1024 2048 4096 8192 --sp 1 2 4
 """
@@ -65,7 +68,9 @@ def worker(rank, world, port, model_path, T, results):
             f.write("5")  # reset VmHWM (the peak resident set) to the current resident set
         before = rss_kb("VmRSS") * 1024
     t0 = time.time()
-    logprobs = compute_logprobs(model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+    logprobs = compute_logprobs(
+        model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"]
+    )
     (-logprobs.mean()).backward()
     if cuda:
         torch.cuda.synchronize()
@@ -100,7 +105,9 @@ def main():
         LlamaForCausalLM(config).save_pretrained(model_path)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         print(f"device {device}, {args.layers} layers of SmolLM2-135M shape, fp32 master weights")
-        print("| T (tokens per row) | sp | tokens per rank | peak memory per rank (MiB) | step time (s) |")
+        print(
+            "| T (tokens per row) | sp | tokens per rank | peak memory per rank (MiB) | step time (s) |"
+        )
         print("| --- | --- | --- | --- | --- |")
         for T in args.lengths:
             for k in args.sp:

@@ -2,9 +2,10 @@
 
     python benchmark/summarize.py runs/grpo__1__* runs/grpo__2__* ...
 
-Per run: steps, mean reward over the first and last 5 steps (RL scripts), the first and last held-out
-accuracy, mean seconds per step, and the time from config.json (written after start-up) to the last metrics
-row. The whole process's wall time, start-up included, is taken with /usr/bin/time in default_runs.sh.
+Per run: steps, mean reward over the first and last 5 steps (RL scripts), the first and last
+held-out accuracy, mean seconds per step, and the time from config.json (written after start-up) to
+the last metrics row. The whole process's wall time, start-up included, is taken with /usr/bin/time
+in default_runs.sh.
 """
 
 import json
@@ -34,4 +35,8 @@ def summarize(run_dir: str) -> dict:
 
 if __name__ == "__main__":
     for d in sys.argv[1:]:
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summarize(d).items()}))
+        print(
+            json.dumps(
+                {k: round(v, 4) if isinstance(v, float) else v for k, v in summarize(d).items()}
+            )
+        )

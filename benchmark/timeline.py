@@ -1,18 +1,25 @@
-"""Who waits for whom: a timeline of the trainers and the engines, grpo.py against grpo_async.py, from real runs.
+"""Who waits for whom: a timeline of the trainers and the engines, grpo.py against grpo_async.py,
+from real runs.
 
     python benchmark/timeline.py <grpo.py run dir> <grpo_async.py run dir> --out docs/img/timeline.png [--steps 6]
 
-grpo.py's bars come from its metrics.jsonl (time/generate, time/train, time/sync of each step, laid end to end:
-it does one thing at a time; run it with --eval-dataset "" so no evaluation falls between steps). grpo_async.py's
-come from the timeline.json it writes: the wall-clock phases of every step, and each engine's idle and paused
-intervals (it generated the rest of the time).
+grpo.py's bars come from its metrics.jsonl (time/generate, time/train, time/sync of each step, laid
+end to end: it does one thing at a time; run it with --eval-dataset "" so no evaluation falls
+between steps). grpo_async.py's come from the timeline.json it writes: the wall-clock phases of
+every step, and each engine's idle and paused intervals (it generated the rest of the time).
 """
 
 import argparse
 import json
 import os
 
-COLORS = {"generate": "tab:blue", "wait": "0.85", "train": "tab:orange", "sync": "tab:red", "idle": "0.85"}
+COLORS = {
+    "generate": "tab:blue",
+    "wait": "0.85",
+    "train": "tab:orange",
+    "sync": "tab:red",
+    "idle": "0.85",
+}
 
 
 def grpo_bars(run_dir: str, steps: int) -> dict[str, list]:
@@ -21,8 +28,16 @@ def grpo_bars(run_dir: str, steps: int) -> dict[str, list]:
     bars, t = {"trainer": [], "engine 0": []}, 0.0
     for r in rows:
         gen, train, sync = r["time/generate"], r["time/train"], r["time/sync"]
-        bars["engine 0"] += [(t, gen, "generate"), (t + gen, train, "idle"), (t + gen + train, sync, "sync")]
-        bars["trainer"] += [(t, gen, "wait"), (t + gen, train, "train"), (t + gen + train, sync, "sync")]
+        bars["engine 0"] += [
+            (t, gen, "generate"),
+            (t + gen, train, "idle"),
+            (t + gen + train, sync, "sync"),
+        ]
+        bars["trainer"] += [
+            (t, gen, "wait"),
+            (t + gen, train, "train"),
+            (t + gen + train, sync, "sync"),
+        ]
         t += gen + train + sync
     return bars
 
@@ -59,7 +74,10 @@ def main():
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    panels = {"grpo.py": grpo_bars(cli.grpo_run, cli.steps), "grpo_async.py": async_bars(cli.async_run, cli.steps)}
+    panels = {
+        "grpo.py": grpo_bars(cli.grpo_run, cli.steps),
+        "grpo_async.py": async_bars(cli.async_run, cli.steps),
+    }
     span = max(s + w for bars in panels.values() for row in bars.values() for s, w, _ in row)
     fig, axes = plt.subplots(2, 1, figsize=(11, 4.2), sharex=True)
     for ax, (name, bars) in zip(axes, panels.items()):

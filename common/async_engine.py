@@ -1,7 +1,6 @@
-"""The engine that never stops, for grpo_async.py: vLLM's AsyncLLM in a Ray actor, taking new weights between two
-decoding steps while requests stream in and out (PipelineRL's in-flight weight update). Its arguments, environment
-and start-up are common/engines.py's.
-"""
+"""The engine that never stops, for grpo_async.py: vLLM's AsyncLLM in a Ray actor, taking new
+weights between two decoding steps while requests stream in and out (PipelineRL's in-flight weight
+update). Its arguments, environment and start-up are common/engines.py's."""
 
 import asyncio
 import os
@@ -15,25 +14,19 @@ from common.engines import engine_args
 
 @ray.remote
 class AsyncEngine:
-    """An engine that never stops: vLLM's AsyncLLM, for grpo_async.py. Requests stream in and out while new
-    weights arrive between two decoding steps (PipelineRL's in-flight weight update).
-
-    Engine's constructor and methods, all async: Ray runs them concurrently, so a weight update is served while
-    `generate` calls are in flight. AsyncLLM always runs vLLM's engine core in a child process of the actor.
-
-    An update pauses the scheduler between two steps, keeping the running requests (`mode="keep"`); the layers
-    are reloaded in place, so decoding them mid-update would fail. Then, by default (`keep_old_kv` False), every
-    running request is preempted and its prompt + tokens so far are prefilled again with the new weights: the
-    tokens after the update are sampled by exactly the new policy (what the trainer can recompute). With
-    `keep_old_kv` (PipelineRL), the KV cache computed by the old weights is kept: no re-prefill, but the new
-    tokens attend to old-weight keys and values. Prompts carry `cache_salt` = the version, so no request reuses
-    prefix-cache blocks of an older version in either mode.
-    """
+    """Engine's constructor and methods, all async: Ray runs them concurrently, so a weight update
+    is served while `generate` calls are in flight (AsyncLLM runs vLLM's engine core in a child
+    process). An update pauses the scheduler between two steps, keeping the running requests
+    (`mode="keep"`): the layers are reloaded in place, so decoding them mid-update would fail. Then,
+    by default, every running request is preempted and its prompt + tokens so far are prefilled
+    again with the new weights: the tokens after the update are sampled by exactly the new policy
+    (what the trainer can recompute). With `keep_old_kv` (PipelineRL), the KV cache computed by the
+    old weights is kept: no re-prefill, but the new tokens attend to old-weight keys and values.
+    Prompts carry `cache_salt` = the version: no request reuses an older version's cached blocks."""
 
     def __init__(
-        self, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, sleep_mode: bool,
-        keep_old_kv: bool = False,
-    ):  # fmt: skip
+        self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode, keep_old_kv=False
+    ):
         import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -43,41 +36,46 @@ class AsyncEngine:
             torch.set_num_threads(os.cpu_count() or 1)
         assert not sleep_mode, "AsyncEngine never sleeps: it generates while the trainers train"
         args = engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu)
-        # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output handler joins.
+        # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output task joins.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
         self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
-        self.stats = {"tokens": 0, "idle_s": 0.0, "paused_s": 0.0}  # running totals, read by `get_stats`
-        self.intervals = []  # (what, start, end) in wall-clock seconds: "idle" (no request) and "paused" (update)
+        self.stats = {"tokens": 0, "idle_s": 0.0, "paused_s": 0.0}  # running totals: get_stats
+        # (what, start, end) in wall-clock seconds: "idle" (no request) and "paused" (an update)
+        self.intervals = []
         self.idle_since, self.paused_at = time.time(), None
 
-    async def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
-                       seeds: list[int] | None = None) -> list:  # fmt: skip
-        """As Engine.generate, and each sample also has `versions`: the weight version of every token."""
+    async def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
+                       max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
+        """As Engine.generate; each sample also has `versions`: the weight version of each token."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        async def one(prompt: list[int], seed: int | None) -> dict:
-            params = SamplingParams(n=1, seed=seed, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                    logprobs=0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
-            request = self._request(prompt)
-            token_ids, logprobs = [], []
-            async for out in self.llm.generate(request, params, uuid.uuid4().hex):  # the new tokens of each step
-                c = out.outputs[0]
+        base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+
+        async def one(i: int, j: int) -> dict:  # sample j of prompt i
+            seed = None if seeds is None else seeds[i] + j
+            params = SamplingParams(n=1, seed=seed, output_kind=RequestOutputKind.DELTA, **base)
+            request, token_ids, logprobs = self._request(prompts[i]), [], []
+            async for out in self.llm.generate(request, params, uuid.uuid4().hex):
+                c = out.outputs[0]  # the new tokens of a step
                 token_ids += c.token_ids
                 logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
                 self.stats["tokens"] += len(c.token_ids)
             versions = [0] * len(token_ids)
-            for span in c.weight_versions or []:  # tokens [start, end) were sampled by `version`; "default" is 0
-                versions[span.start : span.end] = [int(span.version.replace("default", "0"))] * (span.end - span.start)
-            return dict(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason, versions=versions)
+            for span in c.weight_versions or []:  # [start, end) sampled by `version` ("default": 0)
+                version = int(span.version.replace("default", "0"))
+                versions[span.start : span.end] = [version] * (span.end - span.start)
+            reason = c.finish_reason
+            return dict(
+                token_ids=token_ids, logprobs=logprobs, finish_reason=reason, versions=versions
+            )
 
         if self.requests == 0:  # the engine had nothing to do since idle_since
             self._interval("idle", self.idle_since)
         self.requests += len(prompts) * n
         try:
-            samples = await asyncio.gather(
-                *[one(p, None if seeds is None else seeds[i] + j) for i, p in enumerate(prompts) for j in range(n)]
-            )
+            calls = [one(i, j) for i in range(len(prompts)) for j in range(n)]
+            samples = await asyncio.gather(*calls)
         finally:
             self.requests -= len(prompts) * n
             if self.requests == 0:
@@ -85,9 +83,10 @@ class AsyncEngine:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _request(self, token_ids: list[int]):
-        """A prompt as the engine takes it (vLLM's renderer, as AsyncLLM.generate's docs show), salted with the
-        weight version so no request reuses prefix-cache blocks an older version computed."""
-        (request,) = self.llm.renderer.render_cmpl([{"prompt_token_ids": token_ids, "cache_salt": f"v{self.version}"}])
+        """A prompt as the engine takes it (vLLM's renderer, as AsyncLLM.generate's docs show),
+        salted with the weight version so no request reuses prefix-cache blocks of an older one."""
+        prompt = {"prompt_token_ids": token_ids, "cache_salt": f"v{self.version}"}
+        (request,) = self.llm.renderer.render_cmpl([prompt])
         return request
 
     # The weight-transfer protocol; the update happens between start (pause) and finish (resume).
@@ -98,8 +97,8 @@ class AsyncEngine:
 
     async def start_weight_update(self):
         self.paused_at = time.time()
-        # Waits for the decoding step in progress; running requests stay. Without keep_old_kv they are
-        # preempted and prefilled again after the resume (and the prefix cache is emptied).
+        # Waits for the decoding step in progress; running requests stay. Without keep_old_kv they
+        # are preempted and prefilled again after the resume (and the prefix cache is emptied).
         await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
         await self.llm.start_weight_update()
 
@@ -109,7 +108,8 @@ class AsyncEngine:
         await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     async def finish_weight_update(self, version: int):
-        await self.llm.finish_weight_update(weight_version=str(version))  # labels the tokens sampled from now on
+        # labels the tokens sampled from now on
+        await self.llm.finish_weight_update(weight_version=str(version))
         self.version = version
         await self.llm.resume_generation()
         self._interval("paused", self.paused_at)
@@ -124,16 +124,17 @@ class AsyncEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outs = [out async for out in self.llm.generate(self._request(token_ids), params, uuid.uuid4().hex)]
+        request = self._request(token_ids)
+        outs = [out async for out in self.llm.generate(request, params, uuid.uuid4().hex)]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], outs[-1].prompt_logprobs[1:])]
 
     async def get_stats(self) -> dict:
-        """Running totals: tokens sampled, seconds with no request (waiting for work), seconds paused by updates."""
+        """Running totals: tokens sampled, seconds idle (no request), seconds paused by updates."""
         idle = time.time() - self.idle_since if self.requests == 0 else 0.0
         return dict(self.stats, idle_s=self.stats["idle_s"] + idle)
 
     async def get_timeline(self) -> list[tuple[str, float, float]]:
-        """The idle and paused intervals so far (wall clock): the engine generated the rest of the time."""
+        """The idle and paused intervals so far (wall clock); the engine generated the rest."""
         return list(self.intervals)
 
     async def shutdown(self):

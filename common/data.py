@@ -1,8 +1,7 @@
-"""Datasets in, packed micro-batches out: loading, validation with clear errors, and token-budget packing.
+"""Datasets in, packed micro-batches out: loading, validation with clear errors, token packing.
 
-Rows follow the Hugging Face (TRL) column conventions, so existing datasets load unchanged. A text field is
-either a string ("standard" format) or a list of {"role", "content"} messages ("conversational" format).
-"""
+Rows follow the Hugging Face (TRL) column conventions, so existing datasets load unchanged. A text
+field is a string ("standard" format) or a list of {"role", "content"} messages (conversational)."""
 
 import glob
 import json
@@ -10,27 +9,22 @@ import os
 
 import torch
 
+from common.errors import InputError
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_TEMPLATE = (
-    "the model's tokenizer has no chat template, and the data has message lists: use plain-text columns "
-    "(sft.py and dpo.py: also --accuracy-dataset '', whose prompts are messages) or a model with a chat template"
+    "the model's tokenizer has no chat template, and the data has message lists: use plain-text "
+    "columns (sft.py and dpo.py: also --accuracy-dataset '', whose prompts are messages) or a "
+    "model with a chat template"
 )
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class InputError(SystemExit):
-    """Bad user input: printed as one line `error: ...` and the process exits with status 1, no traceback."""
-
-    def __init__(self, message: str):
-        super().__init__(f"error: {message}")
 
 
 def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
     """Rows of a local .jsonl/.json/.parquet file or folder, or of a hub dataset `name[:config]`.
 
     Relative paths are tried against the working directory, then the repo root (where data/ lives).
-    Returns the rows and a short description of where they came from, for error messages.
-    """
+    Returns the rows and where they came from, for error messages."""
     for path in (spec, os.path.join(REPO_ROOT, spec)):
         if os.path.exists(path):
             return _load_local(path, split), path
@@ -40,13 +34,12 @@ def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
     try:
         import datasets
 
-        quiet_hub_logs()  # offline, the hub client logs a retry line per attempt before the error we report
+        quiet_hub_logs()  # offline, the hub client logs a line per retry before the error we report
         rows = list(datasets.load_dataset(name, config or None, split=split))
     except Exception as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InputError(
-            f"dataset {spec!r} (split {split!r}) is not a local file and could not be loaded: {first_line}"
-        ) from None
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = f"dataset {spec!r} (split {split!r})"
+        raise InputError(f"{where} is not a local file and could not be loaded: {why}") from None
     return rows, f"{spec} [{split}]"
 
 
@@ -64,7 +57,8 @@ def _load_local(path: str, split: str) -> list[dict]:
         try:
             return pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow's errors for a damaged file vary
-            raise InputError(f"{path} is not a readable parquet file: {type(e).__name__}: {e}") from None
+            why = f"{type(e).__name__}: {e}"
+            raise InputError(f"{path} is not a readable parquet file: {why}") from None
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -74,11 +68,13 @@ def _load_local(path: str, split: str) -> list[dict]:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
-        if isinstance(rows, dict):  # columnar, as pandas writes it: {"prompt": [...], "answer": [...]}
+            where = f"line {e.lineno}, column {e.colno}"
+            raise InputError(f"{path}: not valid JSON at {where} ({e.msg})") from None
+        if isinstance(rows, dict):  # columnar, as pandas writes it: {"prompt": [...], ...}
             columns = list(rows.values())
             if not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
-                raise InputError(f"{path}: expected a JSON array of rows, or an object of equal-length columns")
+                expected = "a JSON array of rows, or an object of equal-length columns"
+                raise InputError(f"{path}: expected {expected}")
             rows = [dict(zip(rows, values)) for values in zip(*columns)]
     else:  # jsonl (one object per line); blank lines are skipped
         rows = []
@@ -93,9 +89,9 @@ def _load_local(path: str, split: str) -> list[dict]:
     return rows
 
 
-def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tuple[str, ...] = ()) -> None:
-    """Every row is an object with each column present and non-empty: a string or a list of role/content messages
-    with text (or, for the `numeric` columns such as an answer, a number)."""
+def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tuple = ()) -> None:
+    """Every row is an object with each column present and non-empty: a string or a list of
+    role/content messages with text (or, for the `numeric` columns such as an answer, a number)."""
     if not rows:
         raise InputError(f"dataset {source} has no rows")
     for i, row in enumerate(rows, 1):
@@ -121,12 +117,13 @@ def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tu
                         raise InputError(f"{where}: message {j} ({m['role']}) has no text content")
             else:
                 kinds = "a string, a number" if col in numeric else "a string"
-                raise InputError(f"{where} must be {kinds} or a non-empty list of messages (got {value!r:.40})")
+                got = f"(got {value!r:.40})"
+                raise InputError(f"{where} must be {kinds} or a non-empty list of messages {got}")
 
 
 def check_pairs(rows: list[dict], source: str) -> None:
-    """Preference pairs (rm.py, dpo.py): two different, non-empty responses; an empty or tied pair teaches
-    nothing (or noise)."""
+    """Preference pairs (rm.py, dpo.py): two different, non-empty responses; an empty or tied pair
+    teaches nothing (or noise)."""
 
     def text(value):
         return "".join(str(m["content"]) for m in as_messages(value, "assistant")).strip()
@@ -148,13 +145,14 @@ def quiet_hub_logs() -> None:
 
 
 def load_function(spec: str):
-    """`path/to/file.py:name` -> the function `name` defined in that file (for user hooks such as --reward-fn)."""
+    """`path/to/file.py:name` -> the function `name` in that file (user hooks: --reward-fn)."""
     import importlib.util
 
     path, _, name = spec.rpartition(":")
     if not path or not os.path.isfile(path):
         raise InputError(f"{spec!r}: expected an existing path/to/file.py:function")
-    module_spec = importlib.util.spec_from_file_location(f"user_{os.path.basename(path)[:-3]}", path)
+    module_name = f"user_{os.path.basename(path)[:-3]}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
@@ -170,7 +168,8 @@ def as_messages(value, role: str) -> list[dict]:
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt ready for generation: chat template + generation prompt for messages, plain text else."""
+    """Token ids of a prompt ready for generation: chat template + generation prompt for messages,
+    plain text else."""
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
     if tokenizer.chat_template is None:
@@ -180,19 +179,20 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 
 def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[int]]:
-    """Token ids of prompt + completion, and a 0/1 mask that is 1 exactly on the completion's tokens.
+    """Token ids of prompt + completion, and a 0/1 mask that is 1 exactly on the completion tokens.
 
-    Strings are plain text, the completion followed by EOS. Message lists go through the chat template, and the
-    mask covers every assistant turn as the template writes it after the generation prompt, end-of-turn token
-    included (so the model learns to stop). `completion=None` means `prompt` is a whole conversation.
-    """
+    Strings are plain text, the completion followed by EOS. Message lists go through the chat
+    template, and the mask covers every assistant turn as the template writes it after the
+    generation prompt, end-of-turn token included (so the model learns to stop). `completion=None`
+    means `prompt` is a whole conversation."""
     if isinstance(prompt, str) and isinstance(completion, str):
         ids = tokenizer(prompt).input_ids
         done = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         return ids + done, [0] * len(ids) + [1] * len(done)
     if tokenizer.chat_template is None:
         raise InputError(NO_TEMPLATE)
-    messages = as_messages(prompt, "user") + (as_messages(completion, "assistant") if completion is not None else [])
+    answer = as_messages(completion, "assistant") if completion is not None else []
+    messages = as_messages(prompt, "user") + answer
 
     def render(msgs, gen_prompt=False):
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
@@ -201,31 +201,32 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
     ids, mask = [], []
     for i, message in enumerate(messages):
         # Render the conversation one turn longer each time; the new tokens belong to message i.
-        pieces = [(render(messages[:i], gen_prompt=True), 0)] if message["role"] == "assistant" and i > 0 else []
-        pieces.append((render(messages[: i + 1]), int(message["role"] == "assistant")))
+        assistant = message["role"] == "assistant"
+        pieces = [(render(messages[:i], gen_prompt=True), 0)] if assistant and i > 0 else []
+        pieces.append((render(messages[: i + 1]), int(assistant)))
         for upto, value in pieces:
             if upto[: len(ids)] != ids:
-                raise InputError("the chat template does not render conversations turn by turn (prefix changed)")
+                how = "turn by turn (prefix changed)"
+                raise InputError(f"the chat template does not render conversations {how}")
             mask += [value] * (len(upto) - len(ids))
             ids = upto
     return ids, mask
 
 
 def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """Pack sequences into padding-free rows of at most `max_tokens` tokens (first-fit, longest first).
+    """First-fit packing, longest first, into padding-free rows of at most `max_tokens` tokens.
 
-    Each sequence is a dict of equal-length per-token lists, one of them "input_ids". A row concatenates whole
-    sequences; its "position_ids" restart at 0 at every sequence start, which is how the attention kernels
-    (SDPA via a block mask, flash-attn varlen) keep sequences from attending to each other. Returns dicts of
-    (1, T) tensors, the same keys plus "position_ids".
-    """
+    Each sequence is a dict of equal-length per-token lists, one of them "input_ids". A row
+    concatenates whole sequences; its "position_ids" restart at 0 at every sequence start, which is
+    how the attention kernels (SDPA via a block mask, flash-attn varlen) keep sequences from
+    attending to each other. Returns dicts of (1, T) tensors, the same keys plus "position_ids"."""
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"]))
-    rows: list[list[int]] = []
-    room: list[int] = []
+    rows, room = [], []  # the sequences of each row, and the tokens left in it
     for i in order:
         n = len(sequences[i]["input_ids"])
         if n > max_tokens:
-            raise ValueError(f"a sequence of {n} tokens does not fit the token budget of {max_tokens}")
+            budget = f"the token budget of {max_tokens}"
+            raise ValueError(f"a sequence of {n} tokens does not fit {budget}")
         j = next((j for j, r in enumerate(room) if r >= n), None)
         if j is None:
             rows.append([])
@@ -245,12 +246,23 @@ def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]
     return out
 
 
+STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own fields, not values
+
+
+def response_values(mb: dict, *names: str) -> dict:
+    """The per-token values of a packed micro-batch at its response tokens (where loss_mask is 1,
+    the positions compute_logprobs returns): {name: (N,)} for every (1, T) field but the row's own
+    fields, or for `names` only."""
+    m = mb["loss_mask"][0].bool()
+    keys = names or [k for k, v in mb.items() if k not in STRUCTURE and v.dim() == 2]
+    return {k: mb[k][0, m] for k in keys}
+
+
 def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> list[list[dict]]:
     """Deal sequences to data-parallel ranks (balanced by tokens) and pack each rank's share.
 
-    FSDP runs collectives in every forward and backward, so all ranks must run the same number of micro-batches:
-    a rank with fewer repeats its last one with "loss_scale" 0 (it contributes nothing to the gradient).
-    """
+    FSDP runs collectives in every forward and backward, so all ranks must run the same number of
+    micro-batches: a rank with fewer repeats its last one with "loss_scale" 0 (no gradient)."""
     shares: list[list[dict]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
     for seq in sorted(sequences, key=lambda s: -len(s["input_ids"])):

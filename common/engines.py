@@ -1,13 +1,11 @@
-"""vLLM generation engines as Ray actors: create, generate, sleep/wake, and the weight-update entry points.
+"""vLLM generation engines as Ray actors: create, generate, sleep/wake, and the weight-update calls.
 
-Each engine is one `vllm.LLM` living inside a Ray actor (vLLM runs in-process; with tensor parallelism > 1 its
-worker processes are children of the actor). The driver sends token ids and gets back token ids and the
-sampling log-probabilities, already temperature-processed (`logprobs_mode="processed_logprobs"`), which is
-what the trainer recomputes for importance sampling.
-
-CPU notes (measured, see docs): the in-process engine avoids shared-memory queues; the default OMP core binding
-would fight the co-located trainers; CUDA graphs and torch.compile cost a minute of start-up for little gain.
-"""
+Each engine is one `vllm.LLM` inside a Ray actor (in-process; with tensor parallelism > 1 its worker
+processes are children of the actor). The driver sends token ids and gets back token ids and the
+sampling log-probabilities, temperature-processed: what the trainer recomputes for importance
+sampling. CPU (measured, see docs): the in-process engine avoids shared-memory queues; OMP's core
+binding would fight the colocated trainers; CUDA graphs and torch.compile cost a minute of start-up
+for little gain."""
 
 import logging
 import os
@@ -17,57 +15,56 @@ import ray
 
 from common.placement import Slot, wait_all, wait_started
 
-# vLLM's warnings reach the terminal (a setting it overrode, a kernel it fell back from), less the KnownWarnings;
-# its info lines do not. To see them: VLLM_LOGGING_CONFIG_PATH= VLLM_LOGGING_LEVEL=INFO python grpo.py ...
-QUIET = {
-    "VLLM_LOGGING_CONFIG_PATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_logging.json"),
-    "PYTHONWARNINGS": "ignore::FutureWarning",
-    "TORCH_CPP_LOG_LEVEL": "ERROR",
-}
+# vLLM's warnings reach the terminal (a setting it overrode, a kernel it fell back from), less the
+# KnownWarnings; its info lines do not. To see them:
+#     VLLM_LOGGING_CONFIG_PATH= VLLM_LOGGING_LEVEL=INFO python grpo.py ...
+LOGGING_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_logging.json")
+QUIET = {"VLLM_LOGGING_CONFIG_PATH": LOGGING_CONFIG, "PYTHONWARNINGS": "ignore::FutureWarning"}
+QUIET["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 CPU_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the actor's process: fast start, no /dev/shm
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the actor's process: fast, no /dev/shm
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores that the trainer ranks also use
-    "OMP_NUM_THREADS": str(os.cpu_count() or 1),  # trainers and engines take turns: each may use every core
+    "OMP_NUM_THREADS": str(os.cpu_count() or 1),  # trainers and engines take turns: all cores each
     **QUIET,
 }
 GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET}
 
 
 class KnownWarnings(logging.Filter):
-    """vLLM warnings that say nothing to a user of these scripts, dropped from the engines' output (vLLM's logging
-    config, common/vllm_logging.json, applies this filter): settings made on purpose here (a seeded engine, eager
-    mode and whole prefills on CPU), CPU performance hints, and the layer-reload warning that gloo_transfer.Whole
-    makes precise (it names the missing weight and fails the update)."""
+    """vLLM warnings that say nothing to a user of these scripts, dropped (vllm_logging.json uses
+    this filter): settings made on purpose here (a seeded engine, eager mode, whole CPU prefills),
+    CPU hints, and the layer-reload warning that vllm_worker.Whole makes precise (and fatal)."""
 
     TEXTS = (
-        "Failed to load weights", "The global random seed is set", "does not officially support disabling chunked",
-        "Enforce eager set", "Inductor compilation was disabled", "Triton is not installed", "Model Runner V2 requires",
-        "libtcmalloc is not found", "libiomp is not found", "leaving Torch threads", "torch.set_num_threads` after",
-        "Reset SSM cache type",
+        "Failed to load weights", "The global random seed is set",
+        "does not officially support disabling chunked", "Enforce eager set",
+        "Inductor compilation was disabled", "Triton is not installed", "Model Runner V2 requires",
+        "libtcmalloc is not found", "libiomp is not found", "leaving Torch threads",
+        "torch.set_num_threads` after", "Reset SSM cache type",
     )  # fmt: skip
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.TEXTS)
 
 
-# The engine side of each weight-sync backend (common/weight_sync.py): every update checked whole (gloo_transfer.py)
+# The engine side of each weight-sync backend: every update checked whole (common/vllm_worker.py)
 ENGINE_BACKENDS = {"gloo": "checked-gloo", "nccl": "checked-nccl", "ipc": "checked-ipc"}
 
 
-def engine_args(model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, on_gpu: bool):
+def engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu) -> dict:
     """vLLM's arguments, the same for both engines."""
     from vllm.config import WeightTransferConfig
 
     cpu = {
         "kv_cache_memory_bytes": int(memory * 2**30),
-        # A prefill split over two steps rewinds the request's seeded generator, which a CPU generator cannot do
-        # (vLLM crashes): prefill whole prompts only, with a token budget that fits many (the offline default).
+        # A prefill split over two steps rewinds the request's seeded generator, which a CPU
+        # generator cannot do (vLLM crashes): whole prompts only, a budget that fits many (default).
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": max(8192, max_model_len),
     }
     return dict(
         model=model_path,
-        seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded instead
+        seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded
         dtype="bfloat16" if on_gpu else "float32",
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
@@ -76,38 +73,33 @@ def engine_args(model_path: str, seed: int, backend: str, tp: int, max_model_len
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
         weight_transfer_config=WeightTransferConfig(backend=ENGINE_BACKENDS[backend]),
-        # Imported in every worker process; registers the CPU "gloo" weight-transfer backend with vLLM.
-        worker_extension_cls="common.gloo_transfer.WorkerExtension",
+        # Imported in every worker process: registers our weight-transfer backends with vLLM.
+        worker_extension_cls="common.vllm_worker.WorkerExtension",
         **({"gpu_memory_utilization": memory} if on_gpu else cpu),
     )
 
 
 @ray.remote
 class Engine:
-    def __init__(
-        self, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float, sleep_mode: bool
-    ):
-        """`memory`: fraction of GPU memory for weights + KV cache on GPU, GiB of KV cache on CPU."""
+    def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode):
+        """`memory`: the GPU's fraction for weights + KV cache on GPU, GiB of KV cache on CPU."""
         import torch
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
-        if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it after start-up
+        if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it later
             torch.set_num_threads(os.cpu_count() or 1)
-        self.llm = LLM(
-            **engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu),
-            enable_sleep_mode=sleep_mode,
-            use_tqdm_on_load=False,
-        )
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu)
+        self.llm = LLM(**args, enable_sleep_mode=sleep_mode, use_tqdm_on_load=False)
         self.version = 0
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
-                 seeds: list[int] | None = None) -> list:  # fmt: skip
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
         """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts).
 
-        With `seeds` (one per prompt), sample j of prompt i is a request of its own seeded seeds[i] + j: the same
-        tokens whatever else is in the batch and whichever engine runs it, which makes --resume exact. (One
-        request with n samples and a seed crashes vLLM on CPU.)
+        With `seeds` (one per prompt), sample j of prompt i is a request of its own seeded
+        seeds[i] + j: the same tokens whatever else is in the batch and whichever engine runs it,
+        which makes --resume exact. (One request with n samples and a seed crashes vLLM on CPU.)
         """
         from vllm import SamplingParams, TokensPrompt
 
@@ -117,19 +109,19 @@ class Engine:
         else:
             requests = [p for p in prompts for _ in range(n)]
             params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False)
+        requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
         samples = [
             {
                 "token_ids": list(c.token_ids),
                 "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                 "finish_reason": c.finish_reason,
             }
-            for out in outputs
+            for out in self.llm.generate(requests, params, use_tqdm=False)
             for c in out.outputs
         ]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    # The four calls of vLLM's weight-transfer protocol, driven by the trainer's weight-transfer engine.
+    # The four calls of vLLM's weight-transfer protocol, driven by the trainer's transfer engine.
     def init_weight_transfer_engine(self, init_info: dict):
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
@@ -142,21 +134,23 @@ class Engine:
     def finish_weight_update(self, version: int):
         self.llm.collective_rpc("finish_weight_update")
         if not self.llm.reset_prefix_cache():  # cached KV blocks were computed by the old weights
-            raise RuntimeError("vLLM could not reset its prefix cache after a weight update (requests running?)")
+            why = "after a weight update (requests running?)"
+            raise RuntimeError(f"vLLM could not reset its prefix cache {why}")
         self.version = version
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """log p(token_i | tokens < i) of every token after the first, under the current weights (the weight
-        check after each update: common/weight_sync.py). Greedy: no draw from the engine's random generator."""
+        """log p(token_i | tokens < i) of every token after the first, under the current weights
+        (the check after each update: common/weight_sync.py). Greedy: no draw from the generator."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
+        request = TokensPrompt(prompt_token_ids=token_ids)
+        out = self.llm.generate([request], params, use_tqdm=False)[0]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     def sleep(self):
-        """Free the GPU for training. CUDA only. Level 2 drops the weights too, instead of copying them to host
-        RAM and back (level 1): the trainer sends every weight before the engine runs again."""
+        """Free the GPU for training. CUDA only. Level 2 drops the weights too, instead of copying
+        them to host RAM and back (level 1): the trainer sends every weight before the next run."""
         self.llm.sleep(level=2)
 
     def wake_up(self, tags: list[str] | None = None):
@@ -167,19 +161,16 @@ class Engine:
 
 
 def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
-    """A sampling seed for each prompt of draw `draw` (a step, or one round of a step): a pure function of the
-    run's seed, the draw and the prompt's place in it, so a resumed run samples what the uninterrupted run did."""
+    """A sampling seed for each prompt of draw `draw` (a step, or one round of a step): a function
+    of the run's seed, the draw and the prompt's place only, so a resumed run samples the same."""
     return [random.Random(f"{seed}/{draw}/{i}").getrandbits(48) for i in range(num_prompts)]
 
 
-def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: float, top_p: float, max_tokens: int,
-             seed: int | None = None, draw: int | None = None) -> list:  # fmt: skip
-    """Deal the prompts round-robin to the engines, sample n responses each; results in prompt order.
-
-    With `draw` (the step, or one round of a step) each prompt's samples are seeded by the run's seed, the draw
-    and the prompt's place in it (sample_seeds), so a resumed run samples the tokens the uninterrupted run did.
-    An engine that dies is named (wait_all).
-    """
+def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: float, top_p: float,
+             max_tokens: int, seed=None, draw: int | None = None) -> list:  # fmt: skip
+    """Deal the prompts round-robin to the engines, sample n responses each; results in prompt
+    order. With `draw` each prompt's samples are seeded (sample_seeds), so a resumed run samples
+    the tokens the uninterrupted run did. An engine that dies is named (wait_all)."""
     k = len(engines)
     seeds = sample_seeds(seed, draw, len(prompts)) if draw is not None else None
     refs = [
@@ -194,20 +185,18 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
 
 
 def spawn_engines(
-    pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int, memory: float,
-    use_gpu: bool, sleep_mode: bool = False, engine_cls=Engine, **engine_kwargs,
+    pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int,
+    memory: float, use_gpu: bool, sleep_mode: bool = False, engine_cls=Engine, **engine_kwargs,
 ) -> list:  # fmt: skip
     """Start one engine per slot (Layout.engines) and wait until every one has loaded its model.
-
-    On GPU the engine owns its slot's `tp` GPUs (vLLM's TP workers are child processes and see the actor's
-    GPUs), or, colocated, half of a trainer rank's GPU, sleeping while the trainers train (`sleep_mode`).
-    The wait comes before anything rendezvouses with the engines, so an engine that fails to start is named
-    here rather than surfacing as a weight-sync timeout. `engine_cls`: AsyncEngine (with its `engine_kwargs`),
-    or a stand-in for placement tests.
-    """
-    # The driver's own VLLM_* settings go to the engines too (on a cluster they run elsewhere), e.g.
-    # VLLM_USE_V2_MODEL_RUNNER=0: vLLM's previous model runner, if the default one misbehaves (docs/errors.md)
-    env = {**(GPU_ENV if use_gpu else CPU_ENV), **{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+    On GPU the engine owns its slot's `tp` GPUs (vLLM's TP workers are child processes and see the
+    actor's GPUs), or, colocated, a share of a trainer rank's GPU (`sleep_mode`). The wait comes
+    before anything rendezvouses with the engines, so one that fails to start is named here, not a
+    weight-sync timeout. `engine_cls`: AsyncEngine (+ `engine_kwargs`), or a test's stand-in."""
+    # The driver's VLLM_* settings go to the engines too (on a cluster they run elsewhere), e.g.
+    # VLLM_USE_V2_MODEL_RUNNER=0: vLLM's previous model runner, if the default misbehaves
+    own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
     engines = [
         engine_cls.options(**slot.options(pg, env)).remote(
             model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode, **engine_kwargs

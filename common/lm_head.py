@@ -1,19 +1,18 @@
-"""The LM head as the log-probabilities of given tokens, a chunk of tokens at a time: no (tokens, vocab) logits.
+"""The LM head as log-probabilities of given tokens, a chunk at a time: no (tokens, vocab) logits.
 
 For hidden states h_t, the head's weight W (vocab x hidden) and a temperature T, the scripts need
     log π(y_t) = z_t[y_t] - logsumexp(z_t),        z_t = W h_t / T
-for the sampled tokens y_t only. Computed plainly, a micro-batch of N tokens materialises (N, vocab) fp32
-logits and as much again for their gradient: with Qwen's 151,936-token vocabulary, ~10 GB each for 16k tokens.
-`TokenLogprobs` walks the tokens in chunks of HEAD_CHUNK_BYTES of logits, keeping only each token's
-log-sum-exp, and recomputes a chunk's logits in the backward pass:
+for the sampled tokens y_t only. Computed plainly, a micro-batch of N tokens materialises (N, vocab)
+fp32 logits and as much again for their gradient: ~10 GB each for 16k tokens of Qwen's 151,936-token
+vocabulary. `TokenLogprobs` walks the tokens in chunks of HEAD_CHUNK_BYTES of logits, keeping only
+each token's log-sum-exp, and recomputes a chunk's logits in the backward pass:
     ∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t)
-The values are those of the plain computation (same matmul in the model's dtype, fp32 from the logits on).
+The values are those of the plain computation (same matmul in the model's dtype, then fp32).
 
-The head runs inside the model's forward (so FSDP2 gathers and frees its weight as usual): `token_logprobs(model,
-labels, T)` turns the model's nn.Linear LM head into a `LogprobHead` on first use (`install`: same parameter,
-same name, same checkpoints), which returns logits as before, and, inside that block, the log-probabilities of
-`labels`.
-"""
+The head runs inside the model's forward (so FSDP2 gathers and frees its weight as usual):
+`token_logprobs(model, labels, T)` turns the model's nn.Linear LM head into a `LogprobHead` on first
+use (same parameter, name and checkpoints), which returns logits as before, and, inside that block,
+the log-probabilities of `labels`."""
 
 from contextlib import contextmanager
 
@@ -23,7 +22,7 @@ from common.memory import HEAD_CHUNK_BYTES
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log-probabilities at temperature T, by chunks."""
+    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log-probabilities at temperature T."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature: float):
@@ -36,8 +35,9 @@ class TokenLogprobs(torch.autograd.Function):
             logp = torch.log_softmax(z, dim=-1)
             out[s : s + chunk] = logp.gather(1, labels[s : s + chunk, None]).squeeze(1)
             lse[s : s + chunk] = z_y - out[s : s + chunk]  # logsumexp(z), for the backward
-        # One chunk holds every token: keep its log-probabilities rather than recompute them in the backward
-        ctx.save_for_backward(hidden, weight, labels, lse, logp if hidden.shape[0] <= chunk else None)
+        # One chunk holds every token: keep its log-probabilities rather than recompute them.
+        logp = logp if hidden.shape[0] <= chunk else None
+        ctx.save_for_backward(hidden, weight, labels, lse, logp)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
 
@@ -53,7 +53,7 @@ class TokenLogprobs(torch.autograd.Function):
                 logp = ((h @ weight.T).float() / T).sub_(lse[s : s + chunk, None])
             dz = logp.exp_().mul_(-g)  # -g softmax(z) ...
             logp = None
-            dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # ... + g onehot(y), through z = W h / T
+            dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # + g onehot(y); z = W h / T
             if grad_hidden is not None:
                 grad_hidden[s : s + chunk] = dz.to(weight.dtype) @ weight
             h = h.float()
@@ -64,8 +64,8 @@ class TokenLogprobs(torch.autograd.Function):
 
 
 class LogprobHead(torch.nn.Linear):
-    """The model's LM head (an nn.Linear without bias, the same weight): logits, or inside `token_logprobs` the
-    log-probabilities of the given labels."""
+    """The model's LM head (an nn.Linear without bias, the same weight): logits, or inside
+    `token_logprobs` the log-probabilities of the given labels."""
 
     targets = None  # (labels (N,), temperature) while token_logprobs is active
 
@@ -73,11 +73,12 @@ class LogprobHead(torch.nn.Linear):
         if self.targets is None:
             return super().forward(hidden)
         labels, temperature = self.targets
-        return TokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels, temperature)  # (N,)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        return TokenLogprobs.apply(hidden, self.weight, labels, temperature)  # (N,)
 
 
 def install(model) -> None:
-    """Turn the model's LM head into a LogprobHead in place (a class change: parameters and names stay)."""
+    """Turn the model's LM head into a LogprobHead in place (a class change: parameters stay)."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None:
         raise TypeError(f"expected an nn.Linear LM head without bias, got {type(head).__name__}")
@@ -86,8 +87,8 @@ def install(model) -> None:
 
 @contextmanager
 def token_logprobs(model, labels: torch.Tensor, temperature: float = 1.0):
-    """Within this block, the model's forward returns as `logits` the (N,) log-probabilities of `labels` (one per
-    kept position of its one packed row, see compute_logprobs in the scripts) instead of logits."""
+    """Within this block, the model's forward returns as `logits` the (N,) log-probabilities of
+    `labels` (one per kept position of its packed row: compute_logprobs in the scripts)."""
     if not isinstance(model.get_output_embeddings(), LogprobHead):
         install(model)
     head = model.get_output_embeddings()

@@ -1,37 +1,36 @@
-"""The memory plan: what each GPU of a job must hold, from the model config, the layout and the flags, computed
-before anything starts, so a run that cannot fit stops in a second with the numbers instead of running out of
-memory minutes later at its first optimizer step.
+"""The memory plan: what each GPU of a job must hold, from the model config, the layout and the
+flags, computed before anything starts: a run that cannot fit stops in a second with the numbers,
+not out of memory minutes later.
 
-Per parameter a trainer rank holds fp32 master weights (4 B), fp32 gradients (4 B, freed after each optimizer
-step) and AdamW's two fp32 moments (8 B), all divided over the trainer ranks by FSDP2; a frozen reference keeps
-its fp32 weights (4 B). While it computes, a rank also holds bf16 copies of the decoder layer in use and the
-next one (FSDP2 prefetches it) and of the root (embeddings, LM head), their gradients, the activations autograd
-keeps, and the LM head's working set (logprobs are computed a chunk of tokens at a time: common/lm_head.py).
-A vLLM engine takes its --engine-memory fraction of the GPU for weights and KV cache; colocated, it sleeps while
-the trainers train (its memory is freed). A reward model is bf16, whole. Every process on a GPU adds a CUDA
-context. The figures are lower bounds of what the code allocates, so a plan that fits is never refused; see
-docs/cluster.md for the tables they give.
-"""
+Per parameter a trainer rank holds fp32 weights (4 B), gradients (4 B, freed after each optimizer
+step) and AdamW's two moments (8 B), sharded over the trainer ranks by FSDP2; a frozen reference
+holds fp32 weights (4 B). While it computes, a rank also holds bf16 copies of two decoder layers (in
+use, and prefetched by FSDP2) and of the root (embeddings, LM head), their gradients, the
+activations autograd keeps and the LM head's chunk (common/lm_head.py). A vLLM engine takes its
+--engine-memory share of the GPU; colocated, it sleeps while the trainers train. A reward model is
+bf16, whole; every process adds a CUDA context. The figures are lower bounds of what the code
+allocates, so a plan that fits is never refused (docs/cluster.md has the tables they give)."""
 
 import copy
 import os
 import subprocess
 from dataclasses import dataclass, replace
 
-from common.data import InputError
+from common.errors import InputError
 
 GiB = 2**30
-CONTEXT = 0.5 * GiB  # per process using a GPU: the CUDA context and the allocators' own state (an estimate)
-HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens in the LM head (common/lm_head.py)
+# per process using a GPU: the CUDA context and the allocators' own state (an estimate)
+CONTEXT = 0.5 * GiB
+HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens in the LM head (lm_head.py)
 
 
 @dataclass(frozen=True)
 class Shape:
-    """What the plan needs to know about a model: parameter counts and the sizes that set the activations."""
+    """What the plan needs to know of a model: parameter counts, the sizes that set activations."""
 
     params: int  # all parameters (tied weights once)
     layer: int  # the largest decoder layer's parameters
-    root: int  # parameters outside the decoder layers: embeddings, final norm, LM head or score head
+    root: int  # parameters outside the decoder layers: embeddings, final norm, LM or score head
     layers: int
     hidden: int
     intermediate: int
@@ -40,9 +39,9 @@ class Shape:
 
 
 def shape_of(config, head: str = "lm") -> Shape:
-    """The Shape of a model with this config (an HF config or a model folder), built on the meta device: exact
-    counts for any architecture, no memory used. head "lm": causal LM; "score": one-label classifier (critic,
-    reward model)."""
+    """The Shape of a model with this config (an HF config or a model folder), built on the meta
+    device: exact counts for any architecture, no memory used. head "lm": causal LM; "score":
+    one-label classifier (critic, reward model)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -51,23 +50,24 @@ def shape_of(config, head: str = "lm") -> Shape:
     if head != "lm":
         config = copy.deepcopy(config)
         config.num_labels = 1
+    auto_cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
     with torch.device("meta"):
-        model = (AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification).from_config(config)
+        model = auto_cls.from_config(config)
     params = sum(p.numel() for p in model.parameters())
     layers = [sum(p.numel() for p in layer.parameters()) for layer in model.base_model.layers]
     text = config.get_text_config()
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads, hidden = text.num_attention_heads, text.hidden_size
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
     return Shape(
-        params=params, layer=max(layers), root=params - sum(layers), layers=len(layers), hidden=text.hidden_size,
-        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        params=params, layer=max(layers), root=params - sum(layers), layers=len(layers),
+        hidden=hidden, intermediate=getattr(text, "intermediate_size", 4 * hidden),
         kv=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Job:
-    """A run as the plan sees it: the models, how many ranks share each, the layout and the flags that matter."""
+    """A run as the plan sees it: the models, how many ranks share each, the layout, the flags."""
 
     policy: Shape
     trainers: int  # FSDP2 ranks of the policy (the parameters are sharded over all of them)
@@ -80,67 +80,65 @@ class Job:
     engine_tp: int = 1
     engine_memory: float = 0.0  # fraction of a GPU for each engine (vLLM's gpu_memory_utilization)
     colocate: bool = False
-    critic: Shape | None = None  # ppo.py: the critic, on its own ranks (or colocated with the policy's)
+    critic: Shape | None = None  # ppo.py's critic, on its own ranks or colocated with the policy's
     critics: int = 0
     reward_model: Shape | None = None
-    offload: bool = False  # colocated ppo.py: the critic and the reward model wait in host RAM when idle
+    offload: bool = False  # colocated ppo.py: critic and reward model wait in host RAM when idle
 
 
 def activations(s: Shape, tokens: int, checkpointing: bool) -> float:
-    """Bytes autograd keeps for one micro-batch of `tokens` tokens (bf16): per layer at least its input, the
-    normed inputs, q/k/v, the attention output and the MLP's gate, up and their product; with checkpointing only
-    every layer's input, plus one layer recomputed at a time."""
+    """Bytes autograd keeps for one micro-batch of `tokens` tokens (bf16): per layer at least its
+    input, the normed inputs, q/k/v, the attention output and the MLP's gate, up and their product;
+    with checkpointing only every layer's input, plus one layer recomputed at a time."""
     per_layer = tokens * (6 * s.hidden + 2 * s.kv + 4 * s.intermediate) * 2
     return s.layers * tokens * s.hidden * 2 + per_layer if checkpointing else s.layers * per_layer
 
 
-def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: bool) -> tuple[dict, dict]:
+def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: bool) -> tuple:
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
-    idle = {"weights + AdamW": 12 * s.params / ranks}  # gradients are freed after every optimizer step
+    idle = {"weights + AdamW": 12 * s.params / ranks}  # the gradients are freed after each step
     busy = {
         "weights + grads + AdamW": 16 * s.params / ranks,
-        "gathered bf16 layers": 2 * 2 * (2 * s.layer + s.root),  # two layers and the root, + their gradients
+        "gathered bf16 layers": 2 * 2 * (2 * s.layer + s.root),  # two layers, the root, their grads
         "activations": activations(s, tokens, checkpointing),
     }
-    if lm_head:  # the chunk's logits, probabilities and their gradient, and the head's fp32 gradient
+    if lm_head:  # the chunk's logits, probabilities and their gradient; the head's fp32 gradient
         busy["LM head"] = 3 * HEAD_CHUNK_BYTES + 4 * s.vocab * s.hidden
     return idle, busy
 
 
 def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
-    """(GPU, phase, {part: bytes}) for every kind of GPU of the job and every phase that sets its peak."""
+    """(GPU, phase, {part: bytes}) for each kind of GPU of the job and each phase of its peak."""
     tokens = job.tokens // job.sp
     idle, busy = trainer(job.policy, job.trainers, tokens, job.checkpointing, job.lm_head)
     ref = {"reference": 4 * job.policy.params / job.trainers} if job.reference else {}
     engine = {"vLLM (weights + KV cache)": job.engine_memory * capacity} if job.engines else {}
     critic_idle, critic_busy = {}, {}
     if job.critic is not None:
-        critic_idle, critic_busy = trainer(job.critic, job.critics, tokens, job.checkpointing, lm_head=False)
-        critic_idle = {f"critic {k}": v for k, v in critic_idle.items()}
-        critic_busy = {f"critic {k}": v for k, v in critic_busy.items()}
+        parts = trainer(job.critic, job.critics, tokens, job.checkpointing, lm_head=False)
+        critic_idle, critic_busy = ({f"critic {k}": v for k, v in p.items()} for p in parts)
     rm = {"reward model": 2 * job.reward_model.params} if job.reward_model is not None else {}
 
-    def ctx(n):
-        return {"CUDA contexts": n * CONTEXT}
-
     if not job.colocate:
-        rows = [("trainer GPU", "training", {**ctx(1), **busy, **ref})]
+        ctx = {"CUDA contexts": CONTEXT}
+        rows = [("trainer GPU", "training", {**ctx, **busy, **ref})]
         if job.critic is not None:
-            rows.append(("critic GPU", "training", {**ctx(1), **critic_busy}))
+            rows.append(("critic GPU", "training", {**ctx, **critic_busy}))
         if job.engines:
-            rows.append(("engine GPU", "generating", {**ctx(1), **engine}))
+            rows.append(("engine GPU", "generating", {**ctx, **engine}))
         if rm:
-            rows.append(("reward-model GPU", "scoring", {**ctx(1), **rm}))
+            rows.append(("reward-model GPU", "scoring", {**ctx, **rm}))
         return rows
-    # Colocated (hybrid engine): every model on GPU 0, taking turns; the phases differ in who holds what.
-    here = 1 + bool(job.engines) + (job.critic is not None) + bool(rm)
+    # Colocated (hybrid engine): every model on GPU 0, taking turns; phases differ in what is held.
+    processes = 1 + bool(job.engines) + (job.critic is not None) + bool(rm)
+    ctx = {"CUDA contexts": processes * CONTEXT}
     parked = {} if job.offload else {**critic_idle, **rm}  # offloaded: in host RAM until needed
     rows = [
-        ("GPU 0", "generating", {**ctx(here), **engine, **idle, **ref, **parked}),
-        ("GPU 0", "training the policy", {**ctx(here), **busy, **ref, **parked}),
+        ("GPU 0", "generating", {**ctx, **engine, **idle, **ref, **parked}),
+        ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked}),
     ]
     if job.critic is not None:
-        rows.append(("GPU 0", "training the critic", {**ctx(here), **idle, **ref, **critic_busy}))
+        rows.append(("GPU 0", "training the critic", {**ctx, **idle, **ref, **critic_busy}))
     return rows
 
 
@@ -150,8 +148,9 @@ def peak(job: Job, capacity: float) -> tuple[str, str, dict, float]:
 
 
 def engine_weights_fit(job: Job, capacity: float) -> bool:
-    """vLLM must hold the model's bf16 weights (over --engine-tp GPUs) within its fraction, with room for KV."""
-    return not job.engines or 2 * job.policy.params / job.engine_tp < 0.9 * job.engine_memory * capacity
+    """vLLM holds the model's bf16 weights (over --engine-tp GPUs) in its share, with KV room."""
+    weights = 2 * job.policy.params / job.engine_tp
+    return not job.engines or weights < 0.9 * job.engine_memory * capacity
 
 
 def fits(job: Job, capacity: float) -> bool:
@@ -168,8 +167,9 @@ def remedies(job: Job, capacity: float) -> list[str]:
         tokens //= 2
     if tokens >= 256:
         out.append(f"--max-tokens-per-micro-batch {tokens}")
-    if job.colocate and job.engines and fits(replace(job, engine_memory=job.engine_memory / 2), capacity):
-        out.append(f"--engine-memory {job.engine_memory / 2:.2g}")
+    half = replace(job, engine_memory=job.engine_memory / 2)
+    if job.colocate and job.engines and fits(half, capacity):
+        out.append(f"--engine-memory {half.engine_memory:.2g}")
     for ranks in (2, 4, 8, 16, 32, 64, 128):
         if ranks > job.trainers:
             more = replace(job, trainers=ranks, critics=ranks if job.critics else 0)
@@ -181,43 +181,42 @@ def remedies(job: Job, capacity: float) -> list[str]:
 
 
 def gpu_capacity() -> float | None:
-    """Bytes of memory of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, or what nvidia-smi says of GPU 0 (asking it does not
-    start CUDA in this process), or None when neither is known (a driver without a GPU on a cluster)."""
+    """Bytes of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, or nvidia-smi's for GPU 0 (which starts no CUDA
+    here), or None when neither is known (a driver without a GPU on a cluster)."""
     if os.environ.get("POSTTRAIN_GPU_MEMORY_GIB"):
         return float(os.environ["POSTTRAIN_GPU_MEMORY_GIB"]) * GiB
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"]
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
         return float(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
 
 
 def describe(row: tuple, capacity: float | None) -> str:
-    """ "GPU 0 training the policy needs 21.3 GiB of 79 (weights + grads + AdamW 7.9, ...)": parts over 0.05 GiB."""
+    """One line, listing the parts over 0.05 GiB:
+    "GPU 0 training the policy needs 21.3 GiB of 79 (weights + grads + AdamW 7.9, ...)"."""
     gpu, phase, parts, total = row
-    detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= GiB / 20)
+    parts = sorted(parts.items(), key=lambda kv: -kv[1])
+    detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts if v >= GiB / 20)
     of = f" of {capacity / GiB:.0f}" if capacity else ""
     return f"{gpu} {phase} needs {total / GiB:.1f} GiB{of} ({detail})"
 
 
 def check(job: Job, capacity: float | None) -> tuple[Job, str]:
-    """Refuse a job that cannot fit with one line naming the numbers and what would make it fit; return the job
-    (colocated with a critic or reward model: offloading them when that is what makes it fit) and the plan's
-    line for the run's first lines."""
+    """Refuse a job that cannot fit, in one line naming the numbers and what would make it fit.
+    Returns the job (colocated critic and reward model offloaded if that fits) and the plan line."""
     if capacity is None:
         return job, f"memory plan (GPU size unknown, not checked): {describe(peak(job, GiB), None)}"
-    if not fits(job, capacity) and job.colocate and (job.critic or job.reward_model) and not job.offload:
-        if fits(replace(job, offload=True), capacity):
+    if not fits(job, capacity) and job.colocate and (job.critic or job.reward_model):
+        if not job.offload and fits(replace(job, offload=True), capacity):
             job = replace(job, offload=True)
     if not engine_weights_fit(job, capacity):
         need = 2 * job.policy.params / job.engine_tp / GiB
         raise InputError(
-            f"memory plan: the engine's bf16 weights ({need:.1f} GiB per GPU) do not fit --engine-memory "
-            f"{job.engine_memory:g} of {capacity / GiB:.0f} GiB with room for a KV cache: raise --engine-memory"
-            + ("" if job.colocate else " or --engine-tp")
+            f"memory plan: the engine's bf16 weights ({need:.1f} GiB per GPU) do not fit "
+            f"--engine-memory {job.engine_memory:g} of {capacity / GiB:.0f} GiB with room for a KV "
+            "cache: raise --engine-memory" + ("" if job.colocate else " or --engine-tp")
         )
     worst = peak(job, capacity)
     if worst[3] > capacity:
@@ -228,20 +227,22 @@ def check(job: Job, capacity: float | None) -> tuple[Job, str]:
     return job, f"memory plan: {describe(worst, capacity)}: fits{note}"
 
 
-def check_run(args, use_gpu: bool, policy: str, reference: bool | None = None, critic: str | None = None,
-              reward_model: str | None = None, head: str = "lm") -> bool:  # fmt: skip
-    """Plan a script's run on GPU (its flags by their usual names; `policy` etc. are model folders), print the
-    plan's line, refuse it if it cannot fit. Returns whether idle models are offloaded. On CPU: nothing.
-    `reference`: the trainers hold a frozen copy of the policy (default: when the script has --kl-coef > 0)."""
+def check_run(
+    args, use_gpu: bool, policy: str, reference=None, critic=None, reward_model=None, head="lm"
+) -> bool:
+    """On GPU, plan a script's run (`policy` etc. are model folders), print the plan's line, refuse
+    it if it cannot fit; return whether idle models are offloaded. `reference`: the trainers hold a
+    frozen copy of the policy (default: when the script has --kl-coef > 0)."""
     if not use_gpu:
         return False
     reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
     job = Job(
-        policy=shape_of(policy, head), trainers=args.num_trainers, tokens=args.max_tokens_per_micro_batch,
-        sp=args.sp_size, checkpointing=args.gradient_checkpointing, reference=reference, lm_head=head == "lm",
-        engines=getattr(args, "num_engines", 0), engine_tp=getattr(args, "engine_tp", 1),
-        engine_memory=engine_memory(args), colocate=getattr(args, "colocate", False),
-        critic=shape_of(critic, "score") if critic else None, critics=getattr(args, "num_critics", 0),
+        policy=shape_of(policy, head), trainers=args.num_trainers, sp=args.sp_size,
+        tokens=args.max_tokens_per_micro_batch, checkpointing=args.gradient_checkpointing,
+        reference=reference, lm_head=head == "lm", engines=getattr(args, "num_engines", 0),
+        engine_tp=getattr(args, "engine_tp", 1), engine_memory=engine_memory(args),
+        colocate=getattr(args, "colocate", False), critics=getattr(args, "num_critics", 0),
+        critic=shape_of(critic, "score") if critic else None,
         reward_model=shape_of(reward_model, "score") if reward_model else None,
     )  # fmt: skip
     job, line = check(job, gpu_capacity())
@@ -250,15 +251,15 @@ def check_run(args, use_gpu: bool, policy: str, reference: bool | None = None, c
 
 
 def engine_memory(args) -> float:
-    """The engines' --engine-memory on GPU: as given, or 0.85 of a GPU of their own, 0.4 when colocated."""
+    """The engines' --engine-memory on GPU: as given, else 0.85 of their own GPU, 0.4 colocated."""
     if not hasattr(args, "num_engines"):
         return 0.0
     return args.engine_memory or (0.4 if args.colocate else 0.85)
 
 
 def to_host(model, optimizer=None) -> None:
-    """Move a model (FSDP2 shards too: its `.to` keeps them registered) and its optimizer's state to host RAM, and
-    give the freed GPU memory back, so a colocated model can wait while another one works."""
+    """Move a model (FSDP2 shards too: its `.to` keeps them registered) and its optimizer's state to
+    host RAM, and give the freed GPU memory back: a colocated model waits while another works."""
     import torch
 
     model.to("cpu")
@@ -274,7 +275,8 @@ def to_device(model, optimizer, device) -> None:
 
 
 def _move_state(optimizer, device) -> None:
+    """The optimizer's state tensors to `device`; AdamW's step counter stays (a CPU scalar)."""
     for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
-            if hasattr(value, "dim") and value.dim() > 0:  # AdamW's step counter stays where it is (a CPU scalar)
+            if hasattr(value, "dim") and value.dim() > 0:
                 state[key] = value.to(device)

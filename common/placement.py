@@ -1,10 +1,9 @@
-"""Ray placement: start Ray, reserve bundles, place actors on them, join trainers with torch.distributed.
+"""Ray placement: start Ray, reserve bundles, place actors on them, join trainers in a torch group.
 
-A placement group reserves all the devices a job needs up front (one bundle per trainer rank or engine), so a
-job either gets everything or waits, instead of deadlocking half-placed. On GPU a bundle is its GPUs + 1 CPU;
-on CPU it is one CPU, a scheduling token: Ray lets us declare more logical CPUs than there are cores.
-`Layout` says which actor sits on which bundle; the placement tests check the layouts every script builds.
-"""
+A placement group reserves all the devices a job needs up front (one bundle per trainer rank or
+engine), so a job either gets everything or waits, instead of deadlocking half-placed. On GPU a
+bundle is its GPUs + 1 CPU; on CPU one CPU, a scheduling token: Ray lets us declare more logical
+CPUs than there are cores. `Layout` says which actor sits on which bundle."""
 
 import math
 import os
@@ -18,36 +17,32 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.checks import RunError, stop_on_signals
-from common.data import REPO_ROOT, InputError
+from common.data import REPO_ROOT
+from common.errors import InputError, RunError, stop_on_signals
 
 RPC_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RPC_TIMEOUT", 3600))
-# A cold vLLM start on GPU (compile + autotune) took 207 s for one 0.5B engine on an H100; TP and big models take more.
+# A cold vLLM start on GPU (compile, autotune): 207 s for 0.5B on an H100; more with TP, big models
 START_TIMEOUT_S = float(os.environ.get("POSTTRAIN_START_TIMEOUT", 1800))
 
 
 def count_gpus() -> tuple[int, str]:
-    """How many GPUs the job may use, and where they are.
-
-    Alone: the GPUs this machine shows. On a Ray cluster ($RAY_ADDRESS): the cluster's GPUs, whatever the
-    driver's own node has (a KubeRay head pod usually has none); this joins the cluster to count them.
-    """
+    """How many GPUs the job may use, and where: this machine's, or on a Ray cluster ($RAY_ADDRESS,
+    joined to count) the cluster's, whatever the driver's node has (a KubeRay head pod has none)."""
     if "RAY_ADDRESS" in os.environ:
         init_ray()
-        return int(ray.cluster_resources().get("GPU", 0)), f"the Ray cluster at {os.environ['RAY_ADDRESS']}"
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        return gpus, f"the Ray cluster at {os.environ['RAY_ADDRESS']}"
     import torch
 
     return (torch.cuda.device_count() if torch.cuda.is_available() else 0), "this machine"
 
 
-def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart: str = "") -> tuple[bool, bool]:
-    """(use GPUs, colocate) for a job that needs `split` GPUs with every actor on GPUs of its own, or `colocated`
-    GPUs when its actors share them (None: they cannot share; `why_apart` says why, for the error). On GPU it
-    prints the layout in one line; a job that does not fit exits with one line.
-
-    Without --colocate the actors get GPUs of their own when there are enough, and share them when there are
-    not (one GPU: the usual machine); with it they always share. On CPU nothing is shared.
-    """
+def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart="") -> tuple:
+    """(use GPUs, colocate) for a job that needs `split` GPUs with every actor on GPUs of its own,
+    or `colocated` GPUs when its actors share them (None: they cannot; `why_apart` says why). On
+    GPU it prints the layout in one line; a job that does not fit exits with one line. Without
+    --colocate the actors get GPUs of their own when there are enough, and share them when there are
+    not (one GPU: the usual machine); with it they always share. CPU: nothing is shared."""
     have, where = count_gpus()
     if have == 0:
         if colocate:
@@ -67,54 +62,54 @@ def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart: 
 
 
 def init_ray(num_bundles: int = 0) -> None:
-    """Start a local Ray instance with room for `num_bundles` bundles, or join the cluster in $RAY_ADDRESS."""
+    """Start a local Ray with room for `num_bundles` bundles, or join the one at $RAY_ADDRESS."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    # Actors import `common` and the scripts' modules; make the repo importable wherever Ray starts them.
+    # Actors import `common` and the scripts' modules: the repo is importable wherever they start.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath, **quiet}}
+    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {"PYTHONPATH": pythonpath, **quiet, "TRANSFORMERS_VERBOSITY": "error"}
+    opts = dict(runtime_env={"env_vars": env}, logging_level="ERROR")
     if "RAY_ADDRESS" in os.environ:
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, logging_level="ERROR")
+        ray.init(address=os.environ["RAY_ADDRESS"], **opts)
     else:
-        num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # logical CPUs: scheduling tokens, not cores
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, logging_level="ERROR")
-    stop_on_signals()  # after ray.init, which installs its own: one line, then the exit's ray.shutdown stops actors
+        num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # scheduling tokens, not cores
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **opts)
+    # After ray.init, which installs its own: one line, then the exit's ray.shutdown stops actors.
+    stop_on_signals()
 
 
 @dataclass
 class Slot:
-    """Where one actor goes: bundle `bundle` of the job's placement group, asking Ray for this much of it."""
+    """Where one actor goes: bundle `bundle` of the job's placement group, and how much of it."""
 
     bundle: int
     num_gpus: float
     num_cpus: float = 1
 
     def options(self, pg, env: dict | None = None) -> dict:
-        """Ray actor options that place the actor here. An actor without a GPU gets CUDA hidden: Ray (2.60) no
-        longer hides the node's GPUs from it, and torch, NCCL or vLLM would otherwise pick cuda:0."""
+        """Ray actor options that place the actor here. An actor without a GPU gets CUDA hidden:
+        Ray (2.60) no longer hides the node's GPUs from it; torch, NCCL or vLLM would use cuda:0."""
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=self.bundle)
         env = {**(env or {}), **({} if self.num_gpus else {"CUDA_VISIBLE_DEVICES": ""})}
-        opts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "scheduling_strategy": strategy}
+        opts = dict(num_cpus=self.num_cpus, num_gpus=self.num_gpus, scheduling_strategy=strategy)
         return opts | ({"runtime_env": {"env_vars": env}} if env else {})
 
 
 class Layout:
-    """A job's bundles, in order: trainer ranks, critic ranks, engines, the reward model; and each actor's slot.
+    """A job's bundles (trainer ranks, critic ranks, engines, reward model) and each actor's slot.
 
-    GPU, apart: a trainer, critic or reward-model rank takes one GPU and its bundle's CPU, an engine `engine_tp`
-    GPUs. GPU, `colocate` (the hybrid engine): there are only the trainer ranks' bundles; engine i, critic rank i
-    and the reward model (on bundle 0) share trainer rank i's GPU, each asking Ray for an equal share of it
-    (the models take turns: vLLM sleeps while the others train, see common/memory.py). Only the trainer asks
-    for the bundle's one CPU: an actor asking for a second would wait for it forever. CPU: every actor takes
-    its own one-CPU bundle (vLLM cannot sleep on CPU).
-    """
+    GPU, apart: a trainer, critic or reward-model rank takes one GPU and its bundle's CPU, an engine
+    `engine_tp` GPUs. GPU, `colocate` (the hybrid engine): only the trainer ranks have bundles;
+    engine i, critic rank i and the reward model (on bundle 0) share trainer rank i's GPU, each
+    asking Ray for an equal share (the models take turns: vLLM sleeps while others train). Only the
+    trainer asks for the bundle's one CPU (an actor asking for a second would wait forever). CPU:
+    every actor takes its own one-CPU bundle (vLLM cannot sleep on CPU)."""
 
-    def __init__(
-        self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False, critics=0, reward_model=False
-    ):
+    def __init__(self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False,
+                 critics=0, reward_model=False):  # fmt: skip
         gpu = 1.0 if use_gpu else 0.0
         if not colocate:
             self.bundles = [1] * (trainers + critics) + [engine_tp] * engines + [1] * reward_model
@@ -123,10 +118,12 @@ class Layout:
             self.engines = [Slot(trainers + critics + i, gpu * engine_tp) for i in range(engines)]
             self.reward_model = Slot(len(self.bundles) - 1, gpu) if reward_model else None
             return
-        assert use_gpu and engine_tp == 1 and engines == trainers and critics in (0, trainers), "see validate_args"
+        sizes_ok = engine_tp == 1 and engines == trainers and critics in (0, trainers)
+        assert use_gpu and sizes_ok, "see validate_args"
         self.bundles = [1] * trainers
-        tenants = [1 + (engines > 0) + (critics > 0) + (reward_model and r == 0) for r in range(trainers)]
-        share = [math.floor(1e4 / n) / 1e4 for n in tenants]  # Ray counts GPU fractions to 4 decimals
+        shared = 1 + (engines > 0) + (critics > 0)
+        tenants = [shared + (reward_model and r == 0) for r in range(trainers)]
+        share = [math.floor(1e4 / n) / 1e4 for n in tenants]  # Ray counts to 4 decimals
         self.trainers = [Slot(r, share[r]) for r in range(trainers)]
         self.critics = [Slot(r, share[r], num_cpus=0) for r in range(critics)]
         self.engines = [Slot(i, share[i], num_cpus=0) for i in range(engines)]
@@ -134,15 +131,14 @@ class Layout:
 
 
 def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
-    """Reserve one bundle per entry (that many GPUs and a CPU on GPU; a CPU on CPU) and wait for them."""
+    """Reserve one bundle per entry (its GPUs and a CPU on GPU; a CPU on CPU), wait for them."""
     bundles = [{"GPU": g, "CPU": 1} if use_gpu else {"CPU": 1} for g in gpus_per_bundle]
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
-        raise RunError(
-            f"Ray could not reserve the bundles {bundles} within 300 s (too few free GPUs or CPUs?)"
-        ) from None
+        why = "(too few free GPUs or CPUs?)"
+        raise RunError(f"Ray could not reserve the bundles {bundles} within 300 s {why}") from None
     nodes = placement_group_table(pg)["bundles_to_node_id"]
     if len(set(nodes.values())) > 1:  # on a cluster, say where everything went
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
@@ -153,11 +149,9 @@ def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
 
 @ray.remote(num_cpus=0)
 def _free_address() -> tuple[str, int]:
-    """A port that is free now and stays free until rank 0 listens on it (seconds later, after loading a model).
-
-    Ports from the kernel's ephemeral range (what bind(0) returns) can meanwhile be taken by any outgoing
-    connection, e.g. Ray's own, so we pick one below that range: only a deliberate listener could take it.
-    """
+    """A port that is free now and stays free until rank 0 listens on it (seconds later, after
+    loading a model). A port of the kernel's ephemeral range (what bind(0) returns) could meanwhile
+    go to any outgoing connection, e.g. Ray's; below it, only a deliberate listener can take it."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
     for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
@@ -171,59 +165,57 @@ def _free_address() -> tuple[str, int]:
 
 
 def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:
-    """An (ip, free port) on the node of `bundle`, for rank 0 of a torch.distributed group to listen on."""
-    task = _free_address.options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-    )
-    return ray.get(task.remote(), timeout=60)
+    """An (ip, free port) on the node of `bundle`, for rank 0 of a torch.distributed group."""
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+    return ray.get(_free_address.options(scheduling_strategy=strategy).remote(), timeout=60)
 
 
 def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
     """Place one actor of `actor_cls` per slot (rank r in slots[r]) and wait until every one is up.
 
-    Each is constructed as actor_cls(*args, rank, world_size, master_addr, master_port) and is expected to call
-    `init_distributed` with those in its __init__; the address is on the node of rank 0.
-    """
+    Each is constructed as actor_cls(*args, rank, world_size, master_addr, master_port) and is to
+    call `init_distributed` with those in its __init__; the address is on the node of rank 0."""
     addr, port = rendezvous_address(pg, slots[0].bundle)
-    actors = [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port) for r, s in enumerate(slots)]
+    actors = [
+        actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port)
+        for r, s in enumerate(slots)
+    ]
     wait_started(actors)
     return actors
 
 
 def wait_started(actors: list) -> None:
-    """Wait until every actor's constructor has returned: one that crashes or hangs is named in the error.
-
-    An actor that Ray cannot place (no bundle with the resources it asks for) also ends here, as a timeout.
-    """
+    """Wait until every actor's constructor has returned: one that crashes or hangs is named in the
+    error. An actor Ray cannot place (no bundle with what it asks for) ends here, as a timeout."""
     names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
     wait_all([a.__ray_ready__.remote() for a in actors], names, "start-up", START_TIMEOUT_S)
 
 
-def init_distributed(rank: int, world_size: int, addr: str, port: int) -> "torch.device":  # noqa: F821
-    """Join the trainers' default process group (NCCL on GPU, gloo on CPU); returns this rank's device."""
+def init_distributed(rank: int, world_size: int, addr: str, port: int):
+    """Join the trainers' process group (NCCL on GPU, gloo on CPU); returns this rank's device."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(env)
+    group = dict(rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)  # Ray exposes exactly this actor's GPU as device 0
         torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl", rank=rank, world_size=world_size, timeout=timedelta(minutes=30), device_id=device
-        )
+        dist.init_process_group("nccl", device_id=device, **group)
     else:
         device = torch.device("cpu")
-        # Ray gives a num_cpus=1 actor OMP_NUM_THREADS=1; the cores are shared by the trainer ranks instead.
+        # Ray gives a num_cpus=1 actor OMP_NUM_THREADS=1; the trainer ranks share the cores instead.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+        dist.init_process_group("gloo", **group)
     return device
 
 
-def call(actors: list, method: str, *args, per_rank: list | None = None, timeout: float | None = None) -> list:
-    """Call `method` on every actor (with `per_rank[i]` as the first argument if given) and wait for all.
+def call(actors: list, method: str, *args, per_rank: list | None = None, timeout=None) -> list:
+    """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all.
 
-    A dead actor or one that does not answer within `timeout` seconds becomes a RunError (one line) that names
-    it, rather than a hang; the other actors' calls are cancelled by the shutdown that follows.
+    A dead actor or one that does not answer within `timeout` seconds becomes a RunError (one line)
+    that names it, not a hang; the other actors' calls are cancelled by the shutdown that follows.
     """
     refs = [
         getattr(a, method).remote(*(([per_rank[i]] if per_rank is not None else []) + list(args)))
@@ -236,8 +228,10 @@ def wait_all(refs: list, names: list[str], what: str, timeout: float | None = No
     timeout = RPC_TIMEOUT_S if timeout is None else timeout
     pending = dict(zip(refs, names))
     left, deadline = list(refs), time.monotonic() + timeout
-    while left:  # one at a time, so a failure surfaces at once even while its peers hang in a collective
-        ready, left = ray.wait(left, num_returns=1, timeout=max(0.0, deadline - time.monotonic()), fetch_local=False)
+    # One at a time: a failure surfaces at once, even while its peers hang in a collective.
+    while left:
+        wait_s = max(0.0, deadline - time.monotonic())
+        ready, left = ray.wait(left, num_returns=1, timeout=wait_s, fetch_local=False)
         if not ready:
             late = ", ".join(pending[r] for r in left)
             hint = " (raise POSTTRAIN_START_TIMEOUT to wait longer)" if what == "start-up" else ""
@@ -247,11 +241,13 @@ def wait_all(refs: list, names: list[str], what: str, timeout: float | None = No
 
 
 def wait_first(pending: dict, what: str, timeout: float | None = None) -> tuple:
-    """(ref, result) of the first call of `pending` ({ref: actor name}) to finish; a failure names its actor."""
+    """(ref, result) of the first call of `pending` ({ref: actor name}) to finish; a failure names
+    its actor."""
     timeout = RPC_TIMEOUT_S if timeout is None else timeout
     ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout, fetch_local=False)
     if not ready:
-        raise RunError(f"no {what} call finished within {timeout:.0f} s ({', '.join(sorted(set(pending.values())))})")
+        names = ", ".join(sorted(set(pending.values())))
+        raise RunError(f"no {what} call finished within {timeout:.0f} s ({names})")
     return ready[0], _get(ready[0], pending[ready[0]], what)
 
 

@@ -1,11 +1,11 @@
-"""Turn runs' metrics.jsonl into PNG curves, one figure per metric group (train/, eval/, rollout/, ...).
+"""Turn runs' metrics.jsonl into PNG curves, a figure per metric group (train/, eval/, ...).
 
     python -m common.plot runs/grpo__1__1763800000 [more run dirs...] [--out plots/] [--x time]
 
-Several runs are drawn on the same axes, so seeds or variants compare at a glance. `--x time` puts the seconds
-the steps took (the running sum of time/step; start-up and evaluation left out) on the x axis instead of the
-step, to compare how fast runs learn in wall-clock terms (e.g. grpo.py against grpo_async.py).
-"""
+Several runs are drawn on the same axes, so seeds or variants compare at a glance. `--x time` puts
+the seconds the steps took (the running sum of time/step; start-up and evaluation left out) on the
+x axis instead of the step, to compare how fast runs learn in wall-clock terms (e.g. grpo.py
+against grpo_async.py)."""
 
 import argparse
 import json
@@ -16,13 +16,12 @@ from collections import defaultdict
 def load_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     series = defaultdict(list)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    series[key].append((row["step"], value))
+        rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:
+        for key, value in row.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key != "step" and number:
+                series[key].append((row["step"], value))
     return series
 
 
@@ -35,8 +34,8 @@ def step_seconds(series: dict) -> dict[int, float]:
     return elapsed
 
 
-def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step", keys: list[str] | None = None) -> list[str]:
-    """One PNG per metric group (train, eval, ...), or with `keys` one PNG (selected.png) of just those."""
+def plot_runs(run_dirs: list[str], out_dir: str, x="step", keys: list[str] | None = None) -> list:
+    """A PNG per metric group (train, eval, ...), or with `keys` one PNG of those (selected.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,7 +62,8 @@ def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step", keys: list[str
                     steps, values = zip(*series[key])
                     if x == "time":
                         elapsed = step_seconds(series)
-                        steps, values = zip(*[(elapsed[s], v) for s, v in series[key] if s in elapsed])
+                        timed = [(elapsed[s], v) for s, v in series[key] if s in elapsed]
+                        steps, values = zip(*timed)
                     ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=name)
             ax.set_title(key, fontsize=9)
             ax.set_xlabel("step" if x == "step" else "seconds of training steps", fontsize=8)
@@ -72,7 +72,8 @@ def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step", keys: list[str
             ax.axis("off")
         if len(runs) > 1:  # every run, whichever panels it has
             lines = {line.get_label(): line for ax in axes.flat for line in ax.get_lines()}
-            fig.legend(list(lines.values()), list(lines), loc="lower center", ncol=len(lines), fontsize=8)
+            handles, labels = list(lines.values()), list(lines)
+            fig.legend(handles, labels, loc="lower center", ncol=len(lines), fontsize=8)
         fig.tight_layout(rect=(0, 0.08 / rows if len(runs) > 1 else 0, 1, 1))
         path = os.path.join(out_dir, f"{group}.png")
         fig.savefig(path, dpi=100)
@@ -82,14 +83,18 @@ def plot_runs(run_dirs: list[str], out_dir: str, x: str = "step", keys: list[str
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Plot metrics.jsonl of one or more run directories.")
+    about = "Plot metrics.jsonl of one or more run directories."
+    parser = argparse.ArgumentParser(description=about)
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default=None, help="output folder (default: <first run>/plots)")
-    parser.add_argument("--x", choices=["step", "time"], default="step", help="x axis: step, or seconds of steps")
-    parser.add_argument("--keys", nargs="+", help="only these metrics, in one figure (selected.png)")
+    x_help = "x axis: step, or seconds of steps"
+    parser.add_argument("--x", choices=["step", "time"], default="step", help=x_help)
+    keys_help = "only these metrics, in one figure (selected.png)"
+    parser.add_argument("--keys", nargs="+", help=keys_help)
     cli = parser.parse_args()
     for d in cli.run_dirs:
         if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
             raise SystemExit(f"error: {d} has no metrics.jsonl")
-    for path in plot_runs(cli.run_dirs, cli.out or os.path.join(cli.run_dirs[0], "plots"), cli.x, cli.keys):
+    out_dir = cli.out or os.path.join(cli.run_dirs[0], "plots")
+    for path in plot_runs(cli.run_dirs, out_dir, cli.x, cli.keys):
         print(path)

@@ -1,14 +1,13 @@
-"""Ring attention: causal self-attention over one packed row split across a sequence-parallel (SP) group.
+"""Ring attention: causal self-attention over a packed row split across a sequence-parallel group.
 
-Each of the k ranks of an SP group holds 2 of the row's 2k chunks (zigzag: rank i has chunks i and 2k-1-i, so
-every rank does the same causal work). Its K/V block travels once around the ring; each rank attends its
-queries to every block as it passes and merges the partial results with their log-sum-exp. The backward
-sends K/V around again together with a dK/dV accumulator that arrives back home after k hops. Memory per
-rank: activations of T/k tokens, one (heads, T/2k, T/2k) score block at a time. See docs/ring_attention.md.
-
-Packed rows: a token's sequence starts at (global index - position id). ring_plan cuts each (query chunk, key
-chunk) pair to its one piece with allowed pairs, for a block kernel (common/attn_blocks.py) to compute.
-"""
+Each of the k ranks of an SP group holds 2 of the row's 2k chunks (zigzag: rank i has chunks i and
+2k-1-i, so every rank does the same causal work). Its K/V block travels once around the ring; each
+rank attends its queries to every block as it passes and merges the partial results with their
+log-sum-exp. The backward sends K/V around again with a dK/dV accumulator that arrives back home
+after k hops. Memory per rank: activations of T/k tokens, one (heads, T/2k, T/2k) score block at a
+time. Packed rows: a token's sequence starts at (global index - position id); ring_plan cuts each
+(query chunk, key chunk) pair to its one piece with allowed pairs, for a block kernel
+(common/attn_blocks.py). See docs/ring_attention.md."""
 
 from typing import NamedTuple
 
@@ -29,29 +28,29 @@ class SPGroup(NamedTuple):
 
 
 def sp_groups(world_size: int, sp_size: int) -> SPGroup:
-    """Split the world into DP x SP: SP groups are runs of sp_size consecutive ranks. Every rank must call it."""
+    """Split the world into DP x SP: SP groups are runs of sp_size consecutive ranks. Every rank
+    must call it (new_group is a collective: all ranks create every group)."""
     if world_size % sp_size:
         raise ValueError(f"world size {world_size} is not divisible by sp size {sp_size}")
     rank, mine = dist.get_rank(), None
-    for start in range(0, world_size, sp_size):  # new_group is a collective: all ranks create every group
+    for start in range(0, world_size, sp_size):
         group = dist.new_group(list(range(start, start + sp_size))) if sp_size > 1 else None
         mine = group if start <= rank < start + sp_size else mine
     return SPGroup(mine, rank % sp_size, sp_size, rank // sp_size, world_size // sp_size)
 
 
 def zigzag_indices(total: int, sp_rank: int, sp_size: int, device=None) -> torch.Tensor:
-    """Global token indices held by `sp_rank`: chunks sp_rank and 2k-1-sp_rank of a row of `total` tokens."""
+    """Global token indices of `sp_rank`: chunks sp_rank and 2k-1-sp_rank of a row of `total`."""
     c = total // (2 * sp_size)
     first, second = sp_rank * c, (2 * sp_size - 1 - sp_rank) * c
-    return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
+    return torch.cat([torch.arange(s, s + c, device=device) for s in (first, second)])
 
 
 def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
-    """This rank's zigzag share of a packed micro-batch: every (1, T) tensor is padded to a multiple of 2k and cut.
-
-    Padding is a sequence of its own (position ids 0, 1, ..., zeros elsewhere, so loss_mask 0): nothing real
-    attends to it and it adds no loss. Other entries (e.g. the scalar "loss_scale") are passed through.
-    """
+    """This rank's zigzag share of a packed micro-batch: every (1, T) tensor padded to a multiple of
+    2k and cut. Padding is a sequence of its own (position ids 0, 1, ..., zeros elsewhere, so
+    loss_mask 0): nothing real attends to it and it adds no loss. Other entries (e.g. the scalar
+    "loss_scale") pass through."""
     if sp_size == 1:
         return mb
     T = mb["input_ids"].shape[1]
@@ -70,17 +69,15 @@ def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
 
 
 def shares_per_rank(shares: list, sp_size: int) -> list:
-    """Driver side of DP x SP: one data share per SP group -> one per rank (its sp_size ranks get the same share)."""
+    """Driver side of DP x SP: one data share per SP group -> one per rank (same for its ranks)."""
     return [share for share in shares for _ in range(sp_size)]
 
 
-def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None) -> torch.Tensor:
-    """Per-sequence sums (S,) of per-token `values` (N,) whose sequences are split over the SP group.
-
-    Each rank adds up its own tokens, then the partial sums are all-reduced. The backward is the identity: every
-    rank of the group computes the same loss from the same sums, and each must get the gradient of its own
-    tokens once (a plain all-reduce backward would count it k times).
-    """
+def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None):
+    """Per-sequence sums (S,) of per-token `values` (N,) whose sequences are split over the group:
+    each rank adds up its own tokens, then the partial sums are all-reduced. The backward is the
+    identity: every rank of the group computes the same loss from the same sums, and each must get
+    the gradient of its own tokens once (a plain all-reduce backward would count it k times)."""
     sums = values.new_zeros(num_seqs).index_add(0, seq_index, values)
     return sums if group is None else _SumOverGroup.apply(sums, group)
 
@@ -98,12 +95,10 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 def enable_ring_attention(model, group) -> None:
-    """Make an HF causal LM attend with ring attention over `group`; group=None restores its own attention.
-
-    Registers the function with transformers' AttentionInterface and switches config._attn_implementation.
-    Inputs must then be rows sharded by shard_micro_batch. Switch it off around generate() and other unsharded
-    forwards (each rank of a group would otherwise exchange K/V of unrelated prompts).
-    """
+    """Make an HF causal LM attend with ring attention over `group` (None: its own attention again),
+    through transformers' AttentionInterface. Inputs must then be rows sharded by shard_micro_batch;
+    switch it off around generate() and other unsharded forwards (the ranks of a group would
+    otherwise exchange K/V of unrelated prompts)."""
     from transformers import AttentionInterface
 
     if group is None:
@@ -114,39 +109,41 @@ def enable_ring_attention(model, group) -> None:
     if model.config._attn_implementation != RING:
         model._attn_before_ring = model.config._attn_implementation
     for m in model.modules():
-        if getattr(m, "is_causal", False):  # HF attention modules; the function gets them as `module`
+        if getattr(m, "is_causal", False):  # HF attention modules: the function's `module`
             m.sp_group = group
     model.set_attn_implementation(RING)
 
 
-def ring_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The AttentionInterface function. query (1, H, T, D), key/value (1, Hkv, T, D) -> ((1, T, H, D), None)."""
+def ring_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """For AttentionInterface: query (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None)."""
     if query.shape[0] != 1 or kwargs.get("position_ids") is None:
         raise ValueError("ring attention takes one packed row (batch 1) with position_ids")
     if dropout or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
-        raise NotImplementedError("ring attention supports neither attention dropout, sliding windows nor softcap")
+        unsupported = "neither attention dropout, sliding windows nor softcap"
+        raise NotImplementedError(f"ring attention supports {unsupported}")
     group, T = module.sp_group, query.shape[2]
     n = dist.get_world_size(group)
-    # Every rank needs the whole row's sequence starts to plan its blocks: one small all-gather per layer.
+    # Every rank needs the whole row's sequence starts to plan its blocks: an all-gather a layer.
     pos = [torch.empty_like(kwargs["position_ids"][0]) for _ in range(n)]
     dist.all_gather(pos, kwargs["position_ids"][0].contiguous(), group=group)
-    gidx = torch.cat([zigzag_indices(T * n, r, n) for r in range(n)])  # global index of each gathered token
+    gidx = torch.cat([zigzag_indices(T * n, r, n) for r in range(n)])  # of each gathered token
     starts = torch.empty(T * n, dtype=torch.long)
     starts[gidx] = gidx - torch.cat(pos).cpu()  # global index of each token's sequence start
     plan = ring_plan(starts, dist.get_rank(group), n)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D), the varlen kernels' layout
+    # (T, heads, D): the varlen kernels' layout
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     return RingAttention.apply(q.contiguous(), k, v, plan, scale, group).unsqueeze(0), None
 
 
 def ring_plan(starts: torch.Tensor, rank: int, n: int) -> list[list[tuple]]:
-    """Per ring step, the pieces of (local queries x visiting K/V block) with any allowed pair: (rows, cols, cu).
-
-    Chunks are contiguous and a K chunk earlier than a Q chunk is fully in its past, so only the one sequence
-    holding the Q chunk's first token can reach into it: one dense rectangle (cu None) of a prefix of the Q
-    chunk against a suffix of the K chunk. A chunk against itself is causal inside each packed sequence: cu
-    lists the sequence boundaries (flash-attn's cu_seqlens). A later K chunk is skipped: nothing to see.
-    """
+    """Per ring step, the pieces (rows, cols, cu) of (local queries x visiting K/V block) with an
+    allowed pair. Chunks are contiguous, and a K chunk before a Q chunk is wholly in its past, so
+    only the sequence of the Q chunk's first token reaches into it: one dense rectangle (cu None), a
+    prefix of the Q chunk by a suffix of the K chunk. A chunk against itself is causal inside each
+    sequence (cu: their boundaries, flash-attn's cu_seqlens). A later K chunk is skipped."""
     c = starts.numel() // (2 * n)
     plan = []
     for step in range(n):
@@ -154,19 +151,20 @@ def ring_plan(starts: torch.Tensor, rank: int, n: int) -> list[list[tuple]]:
         for hq, cq in enumerate((rank, 2 * n - 1 - rank)):
             for hk, ck in enumerate((src, 2 * n - 1 - src)):
                 sq, sk = starts[cq * c : (cq + 1) * c], starts[ck * c : (ck + 1) * c]
+                q0, k0 = hq * c, hk * c  # where the two chunks start locally
                 if ck == cq:
                     bounds = ((sq[1:] != sq[:-1]).nonzero().flatten() + 1).tolist()
-                    pieces.append((slice(hq * c, hq * c + c), slice(hk * c, hk * c + c), [0, *bounds, c]))
+                    pieces.append((slice(q0, q0 + c), slice(k0, k0 + c), [0, *bounds, c]))
                 elif ck < cq:
                     nq, nk = int((sq == sq[0]).sum()), int((sk == sq[0]).sum())
                     if nk:
-                        pieces.append((slice(hq * c, hq * c + nq), slice(hk * c + c - nk, hk * c + c), None))
+                        pieces.append((slice(q0, q0 + nq), slice(k0 + c - nk, k0 + c), None))
         plan.append(pieces)
     return plan
 
 
 def _ring_pass(tensors: list[torch.Tensor], group):
-    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's: (wait(), received)."""
+    """Start sending `tensors` to the next rank, receiving the previous rank's: (wait, received)."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
     recv = [torch.empty_like(t) for t in tensors]
@@ -177,11 +175,9 @@ def _ring_pass(tensors: list[torch.Tensor], group):
 
 
 class RingAttention(torch.autograd.Function):
-    """Exact causal attention of the local queries against the K/V of every rank of the ring.
-
-    q (T, H, D), k/v (T, Hkv, D); plan from ring_plan. Each piece goes to a block kernel (common.attn_blocks:
-    flash-attn varlen on CUDA when usable, pure torch otherwise) that returns its output and log-sum-exp.
-    """
+    """Exact causal attention of the local queries against the K/V of every rank of the ring:
+    q (T, H, D), k/v (T, Hkv, D); plan from ring_plan. Each piece goes to a block kernel
+    (attn_blocks: flash-attn varlen on CUDA if usable, else torch): its output and log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scale, group):
@@ -194,7 +190,7 @@ class RingAttention(torch.autograd.Function):
                 wait, (kv_next,) = _ring_pass([kv], group)
             for rows, cols, cu in plan[step]:
                 out_b, lse_b = kernel.forward(q[rows], kv[0, cols], kv[1, cols], cu, scale)
-                lse_new = torch.logaddexp(lse[:, rows], lse_b)  # every row of a piece sees a key: finite
+                lse_new = torch.logaddexp(lse[:, rows], lse_b)  # each row sees a key: finite
                 out[rows] = out[rows] * torch.exp(lse[:, rows] - lse_new).T[..., None]
                 out[rows] += out_b * torch.exp(lse_b - lse_new).T[..., None]
                 lse[:, rows] = lse_new
@@ -210,20 +206,20 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         n, kernel = dist.get_world_size(ctx.group), attn_blocks.kernels_for(q)
         dq, kv = torch.zeros(q.shape, dtype=torch.float32, device=q.device), torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its K/V block
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with K/V
         for step in range(n):
-            if step < n - 1:  # the K/V block can travel while it is used; its gradient only after this step
+            if step < n - 1:  # the K/V block travels while in use; its gradient after this step
                 wait, (kv_next,) = _ring_pass([kv], ctx.group)
             for rows, cols, cu in ctx.plan[step]:
-                # The kernel gets the final output and log-sum-exp of the rows: P = exp(S - lse) is then the
-                # piece's share of the full softmax, and the gradients are exact (see docs/ring_attention.md).
-                dq_b, dk_b, dv_b = kernel.backward(
-                    dout[rows], q[rows], kv[0, cols], kv[1, cols], out[rows], lse[:, rows], cu, ctx.scale
-                )
+                # The kernel gets the final output and log-sum-exp of the rows: P = exp(S - lse) is
+                # then the piece's share of the full softmax, and the gradients are exact.
+                block = (dout[rows], q[rows], kv[0, cols], kv[1, cols], out[rows], lse[:, rows])
+                dq_b, dk_b, dv_b = kernel.backward(*block, cu, ctx.scale)
                 dq[rows] += dq_b
                 dkv[0, cols] += dk_b
                 dkv[1, cols] += dv_b
-            if n > 1:  # after the last step the accumulator makes one more hop: home to the block's owner
+            # After the last step the accumulator makes one more hop: home to the block's owner.
+            if n > 1:
                 wait_dkv, (dkv,) = _ring_pass([dkv], ctx.group)
                 wait_dkv()
             if step < n - 1:

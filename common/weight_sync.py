@@ -1,35 +1,34 @@
-"""Trainer → engines weight sync through vLLM's weight-transfer API (nccl | ipc | gloo), the same code everywhere.
+"""Trainer → engines weight sync through vLLM's weight-transfer API, the same code everywhere.
 
-    backend  when                                             how the bytes move
-    nccl     trainers and engines on different GPUs           NCCL broadcast from trainer rank 0
-    ipc      colocated: a trainer rank and an engine per GPU  CUDA IPC handles to the trainer's tensors
-    gloo     CPU                                              gloo broadcast (common/gloo_transfer.py)
+    backend  when                                          how the bytes move
+    nccl     trainers and engines on different GPUs        NCCL broadcast from trainer rank 0
+    ipc      colocated: a trainer rank, an engine per GPU  CUDA IPC handles to the trainer's tensors
+    gloo     CPU                                           gloo broadcast (common/vllm_worker.py)
 
 Every trainer rank calls `init_weight_sync` once and `.push()` after each optimizer step: all ranks
-materialize the full tensors from their FSDP shards (a collective), rank 0 drives the engines through the
-four-call protocol (start, update, finish; init once). Engines reset their prefix cache and record the version.
-Two checks follow every push, so an engine never serves stale or half-loaded weights in silence: the engines
-refuse an update that did not set every weight (common/gloo_transfer.py), and `.check()` compares the engines'
-log-probabilities of a probe text with the trainer's. The driver does all of it with one call, `sync_weights`.
-vLLM is imported lazily: this module loads in the driver too.
-"""
+materialize the full tensors from their FSDP shards (a collective), rank 0 drives the engines
+through vLLM's protocol (start, update, finish). Two checks follow every push, so an engine never
+serves stale or half-loaded weights in silence: the engines refuse an update that did not set every
+weight (common/vllm_worker.py), and `.check()` compares the engines' log-probabilities of a probe
+text with the trainer's. The driver does it all with one call, `sync_weights`. vLLM is imported
+lazily: this module loads in the driver too."""
 
 import torch
 
-from common.checks import RunError
-from common.placement import actor_name, call, wait_all
+from common.errors import RunError
+from common.placement import actor_name, call
 from common.ring_attn import RING, enable_ring_attention
 
 PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over the lazy dog."
-# Mean |log p_trainer - log p_engine| allowed on the probe's tokens, by the dtype both compute in. Measured on CPU
-# (fp32): ~1e-6. bf16 kernels differ by a few 1e-2; a layer left unloaded or stale by a step moves it by nats.
+# Mean |log p_trainer - log p_engine| allowed on the probe's tokens, by the dtype both compute in.
+# CPU (fp32): ~1e-6 measured. bf16 kernels differ by a few 1e-2; a stale or unloaded layer, by nats.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
 
 
 def sync_weights(trainers: list, engines: list, colocated: bool) -> None:
-    """The driver's one call after each optimizer step: the trainers' weights into the engines, checked.
-    Colocated, the engines wake their weights' memory first and their KV cache after (the IPC copies are freed
-    in between); the check needs them awake."""
+    """The driver's one call after each optimizer step: the trainers' weights into the engines,
+    checked. Colocated, the engines wake their weights' memory first and their KV cache after (the
+    IPC copies are freed in between); the check needs them awake."""
     if colocated:
         call(engines, "wake_up", ["weights"])
     call(trainers, "push_weights")
@@ -43,20 +42,17 @@ def choose_backend(use_gpu: bool, colocate: bool) -> str:
 
 
 class EngineClient:
-    """vLLM's `VLLMWeightSyncClient` protocol over our engine actors: fan every call out, wait for all of them.
-
-    With several engines in one NCCL/gloo group each needs its own ranks: engine i's workers sit at
-    1 + i * tp ... (trainer rank 0 is the sender), so `rank_offset` is rewritten per engine.
-    """
+    """vLLM's `VLLMWeightSyncClient` protocol over our engine actors: fan every call out, wait for
+    all. With several engines in one NCCL/gloo group each needs its own ranks: engine i's workers
+    sit at 1 + i * tp ... (trainer rank 0 is the sender), so `rank_offset` is set per engine."""
 
     def __init__(self, engines: list, tp: int):
         self.engines, self.tp, self.version = engines, tp, 0
 
     def _all(self, method: str, per_engine: list | None = None):
-        refs = [getattr(e, method).remote(*([per_engine[i]] if per_engine else [])) for i, e in enumerate(self.engines)]
         try:
-            return wait_all(refs, [f"{actor_name(e)}#{i}" for i, e in enumerate(self.engines)], method, timeout=600)
-        except RunError as e:  # this runs in trainer rank 0: a plain exception reaches the driver, naming the engine
+            return call(self.engines, method, per_rank=per_engine, timeout=600)
+        except RunError as e:  # in trainer rank 0: a plain exception reaches the driver, naming it
             raise RuntimeError(str(e.code).removeprefix("error: ")) from None
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -81,25 +77,27 @@ class EngineClient:
 
 
 class WeightSync:
-    """A trainer rank's end of the weight sync: `.push()` sends the current weights as the engines' next version,
-    `.check()` proves the engines serve them."""
+    """A trainer rank's end of the weight sync: `.push()` sends the current weights as the engines'
+    next version, `.check()` proves the engines serve them. `transfer`: vLLM's trainer-side
+    weight-transfer engine."""
 
     def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype: torch.dtype):
-        self.transfer, self.colocated = transfer, colocated  # vLLM's trainer-side weight-transfer engine
+        self.transfer, self.colocated = transfer, colocated
         self.model, self.probe, self.tolerance = model, probe, PROBE_TOLERANCE[dtype]
 
     def push(self) -> None:
         on_cuda = torch.cuda.is_available()
-        if on_cuda:  # vLLM gathers and packs on streams of its own: the optimizer step's kernels must land first
+        if on_cuda:  # vLLM gathers and packs on streams of its own: the optimizer step lands first
             torch.cuda.synchronize()
         self.transfer.send_weights()
-        if on_cuda and self.colocated:  # return the gathered copies' memory: the engine wakes its KV cache next
+        if on_cuda and self.colocated:  # free the gathered copies: the KV cache wakes next
             torch.cuda.empty_cache()
 
     @torch.no_grad()
     def check(self) -> None:
-        """Every rank: the trainer's log-probabilities of the probe tokens (a forward, a collective under FSDP2);
-        rank 0: every engine's, under the weights just pushed. Too far apart: an error naming the engine."""
+        """Every rank: the trainer's log-probabilities of the probe tokens (a forward, a collective
+        under FSDP2); rank 0: every engine's, under the weights just pushed. Too far apart: an error
+        naming the engine."""
         mine = probe_logprobs(self.model, self.probe)
         if not self.transfer.is_sender:
             return
@@ -109,13 +107,14 @@ class WeightSync:
             if not diff <= self.tolerance:  # NaN fails too
                 name = f"{actor_name(client.engines[i])}#{i}"
                 raise RuntimeError(
-                    f"{name} does not serve the weights just pushed: its log-probabilities of a probe text differ "
-                    f"from the trainer's by {diff:.3g} on average (allowed {self.tolerance:g})"
+                    f"{name} does not serve the weights just pushed: its log-probabilities of a "
+                    f"probe text differ from the trainer's by {diff:.3g} on average (allowed "
+                    f"{self.tolerance:g})"
                 )
 
 
 def probe_logprobs(model, token_ids: list[int]) -> torch.Tensor:
-    """log p(token_i | tokens < i) for i >= 1, a plain forward of one short row (ring attention off meanwhile)."""
+    """log p(token_i | tokens < i), i >= 1: a plain forward of one short row (no ring attention)."""
     ring = next((m.sp_group for m in model.modules() if hasattr(m, "sp_group")), None)
     if model.config._attn_implementation == RING:
         enable_ring_attention(model, None)
@@ -129,47 +128,45 @@ def probe_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 
 
 def init_weight_sync(
-    model, tokenizer, engines: list, backend: str, rank: int, address: tuple[str, int], tp: int, dtype: torch.dtype
+    model, tokenizer, engines: list, backend: str, rank: int, address: tuple, tp: int, dtype
 ) -> WeightSync:
-    """The trainer side of the weight sync, built on every trainer rank (a collective with the engines).
-
-    Rank 0 is the sender and rendezvouses with the engines at `address` (ip, port) here.
-    Weights travel in the engines' dtype (bf16 on GPU): half the bytes of the fp32 master weights.
-    """
+    """The trainer side of the weight sync, built on every trainer rank (a collective with the
+    engines). Rank 0 is the sender and rendezvouses with the engines at `address` (ip, port) here.
+    Weights travel in the engines' torch `dtype` (bf16 on GPU): half the bytes of fp32 weights."""
     addr, port = address
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import materialize_full_tensor
 
     class CastSource(ModuleSource):
-        """The model's parameters in the engines' dtype: each FSDP2 shard is cast, then gathered (half the bytes)."""
+        """The model's parameters in the engines' dtype: each FSDP2 shard is cast, then gathered."""
 
         def metadata(self):
             return [type(m)(m.name, dtype, m.shape) for m in super().metadata()]
 
         def __iter__(self):
-            for name, param in self._module.named_parameters():
-                yield name, materialize_full_tensor(param.detach().to(dtype))  # all-gather: a collective
-            if torch.cuda.is_available():  # over CUDA IPC another process reads the copies: they must be complete
+            for name, param in self._module.named_parameters():  # all-gathers: collectives
+                yield name, materialize_full_tensor(param.detach().to(dtype))
+            if torch.cuda.is_available():  # over CUDA IPC another process reads the copies
                 torch.cuda.current_stream().synchronize()
 
-    world_size = 1 + len(engines) * tp
+    group = dict(master_address=addr, master_port=port, world_size=1 + len(engines) * tp, rank=rank)
     if backend == "gloo":
-        from common.gloo_transfer import GlooTrainerInitInfo
+        from common.vllm_worker import GlooTrainerInitInfo
 
-        info = GlooTrainerInitInfo(master_address=addr, master_port=port, world_size=world_size, rank=rank)
+        info = GlooTrainerInitInfo(**group)
     elif backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        info = NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=world_size, rank=rank)
+        info = NCCLTrainerInitInfo(**group)
     elif backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        # packed: the weights go through one reused buffer (1 GiB, or the largest tensor: it must fit one) instead
-        # of a full bf16 copy on every GPU
-        largest = max(p.numel() for p in model.parameters()) * dtype.itemsize
-        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=max(2**30, largest))
+        # packed: the weights go through one reused buffer (1 GiB, or the largest tensor: it must
+        # fit one) instead of a full bf16 copy on every GPU
+        size = max(2**30, max(p.numel() for p in model.parameters()) * dtype.itemsize)
+        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=size)
     else:
         raise ValueError(f"unknown weight-sync backend {backend!r}")
-    client = EngineClient(engines, tp)
-    transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=CastSource(model))
+    source, client = CastSource(model), EngineClient(engines, tp)
+    transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     return WeightSync(transfer, backend == "ipc", model, tokenizer(PROBE_TEXT).input_ids, dtype)

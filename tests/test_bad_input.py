@@ -1,7 +1,7 @@
-"""Bad input, by class, for every script: one `error:` line naming the flag, file, row or function, raised
-before Ray starts (init_ray is replaced by a tripwire), and nothing written. In-process and without loading a
-model (the tokenizer and config only), so the whole file runs in well under a minute; a few subprocess runs
-check the real exit status and stderr."""
+"""Bad input, by class, for every script: one `error:` line naming the flag, file, row or function,
+raised before Ray starts (init_ray is replaced by a tripwire), and nothing written. In-process and
+without loading a model (the tokenizer and config only), so the whole file runs in well under a
+minute; a few subprocess runs check the real exit status and stderr."""
 
 import dataclasses
 import importlib
@@ -17,15 +17,23 @@ import tyro
 from conftest import REPO
 from safetensors.torch import save_file
 
+from common import placement
+
 SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
 RL = ["grpo", "dapo", "ppo", "grpo_async"]
 GOOD_ROW = {
     "sft": {"prompt": "What is 1 + 1?", "completion": "2"},
     "rm": {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"},
     "dpo": {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"},
-    **{name: {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"} for name in RL},
+    **{
+        name: {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}
+        for name in RL
+    },
 }
-NO_EVAL = {"sft": ["--accuracy-dataset", ""], "dpo": ["--accuracy-dataset", ""]}  # plus --eval-dataset "" for all
+NO_EVAL = {
+    "sft": ["--accuracy-dataset", ""],
+    "dpo": ["--accuracy-dataset", ""],
+}  # plus --eval-dataset "" for all
 
 
 class RayStarted(Exception):
@@ -43,14 +51,26 @@ def write_rows(path, rows):
 
 @pytest.fixture
 def run(monkeypatch, tmp_path, tiny_model):
-    """run(name, *flags, rows=None) -> the one `error:` line of main(); dataset = `rows` (default: good rows)."""
+    """run(name, *flags, rows=None) -> the one `error:` line of main(); dataset = `rows` (default:
+    good rows)."""
 
     def go(name, *flags, rows=None, reach_ray=False):
         module = importlib.import_module(name)
-        monkeypatch.setattr(module, "init_ray", tripwire)
-        data = flags_value(flags, "--dataset") or write_rows(tmp_path / "data.jsonl", rows or [GOOD_ROW[name]] * 4)
+        monkeypatch.setattr(placement, "init_ray", tripwire)
+        data = flags_value(flags, "--dataset") or write_rows(
+            tmp_path / "data.jsonl", rows or [GOOD_ROW[name]] * 4
+        )
         out = tmp_path / "runs"
-        argv = ["--model", tiny_model, "--dataset", data, "--eval-dataset", "", "--output-dir", str(out)]
+        argv = [
+            "--model",
+            tiny_model,
+            "--dataset",
+            data,
+            "--eval-dataset",
+            "",
+            "--output-dir",
+            str(out),
+        ]
         argv += NO_EVAL.get(name, []) + [f for f in flags if f not in ("--dataset", data)]
         if reach_ray:
             with pytest.raises(RayStarted):
@@ -77,14 +97,15 @@ def numeric_fields(module):
     return [
         (f.name, f.type)
         for f in dataclasses.fields(module.Args)
-        if any(t in str(f.type) for t in ("int", "float")) and f.name != "max_tokens_per_micro_batch"
+        if any(t in str(f.type) for t in ("int", "float"))
+        and f.name != "max_tokens_per_micro_batch"
     ]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_numeric_flag_is_range_checked(name):
-    """A class test: a flag added without a range fails here. -1 is out of range for every numeric flag of every
-    script, and NaN and infinity for every float flag."""
+    """A class test: a flag added without a range fails here. -1 is out of range for every numeric
+    flag of every script, and NaN and infinity for every float flag."""
     module = importlib.import_module(name)
     fields = numeric_fields(module)
     assert len(fields) >= 12
@@ -113,14 +134,19 @@ CASES = [  # (scripts, flags, what the line names)
     (RL, ["--reward-timeout", "0"], "--reward-timeout must be > 0"),
     (["ppo"], ["--num-critics", "0"], "--num-critics must be >= 1"),
     (["ppo"], ["--lam", "1.5"], "--lam must be >= 0, <= 1"),
-    (["dapo"], ["--overlong-buffer", "30", "--max-response-length", "24"], "--overlong-buffer must be >= 0, < 24"),
+    (
+        ["dapo"],
+        ["--overlong-buffer", "30", "--max-response-length", "24"],
+        "--overlong-buffer must be < --max-response-length 24",
+    ),
     (["dpo"], ["--label-smoothing", "0.5"], "--label-smoothing must be >= 0, < 0.5"),
     (["rm"], ["--margin", "-0.5"], "--margin must be >= 0"),
-    (["grpo_async"], ["--colocate"], "--colocate does not work with asynchronous rollouts"),
 ]
 
 
-@pytest.mark.parametrize("name,flags,expected", [(n, f, e) for scripts, f, e in CASES for n in scripts])
+@pytest.mark.parametrize(
+    "name,flags,expected", [(n, f, e) for scripts, f, e in CASES for n in scripts]
+)
 def test_out_of_range_flags_stop_before_ray(run, name, flags, expected):
     assert expected in run(name, *flags)
 
@@ -148,7 +174,9 @@ def bad_file(kind, tmp_path, name):
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["json_syntax", "json_not_rows", "corrupt_parquet", "not_utf8", "empty"])
+@pytest.mark.parametrize(
+    "kind", ["json_syntax", "json_not_rows", "corrupt_parquet", "not_utf8", "empty"]
+)
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_unreadable_data_files(run, tmp_path, name, kind):
     path, expected = bad_file(kind, tmp_path, name)
@@ -167,13 +195,19 @@ def test_rows_with_null_or_missing_fields_name_the_row(run, name):
         name, rows=[good, {**good, "prompt": messages}]
     )
     empty = [{"role": "user", "content": "  "}]
-    assert "row 1 column 'prompt': message 1 (user) has no text content" in run(name, rows=[{**good, "prompt": empty}])
+    assert "row 1 column 'prompt': message 1 (user) has no text content" in run(
+        name, rows=[{**good, "prompt": empty}]
+    )
     assert "row 1 column 'prompt' is empty" in run(name, rows=[{**good, "prompt": ""}])
 
 
 @pytest.mark.parametrize("name", RL)
 def test_numeric_answers_are_accepted(run, name):
-    run(name, rows=[{**GOOD_ROW[name], "answer": 2}, {**GOOD_ROW[name], "answer": 2.0}], reach_ray=True)
+    run(
+        name,
+        rows=[{**GOOD_ROW[name], "answer": 2}, {**GOOD_ROW[name], "answer": 2.0}],
+        reach_ray=True,
+    )
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -184,7 +218,9 @@ def test_drop_long_that_drops_everything(run, name):
 
 
 def test_sft_counts_rows_without_an_assistant_turn(run, capsys):
-    good = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}
+    good = {
+        "messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]
+    }
     silent = {"messages": [{"role": "user", "content": "1 + 1?"}]}
     run("sft", rows=[good, silent, good, silent], reach_ray=True)
     assert "2 of 4 rows have no assistant turn; they are skipped" in capsys.readouterr().out
@@ -199,10 +235,20 @@ PAIR = {"prompt": [{"role": "user", "content": "1 + 1?"}], "chosen": "2", "rejec
 ROW_CASES = [  # (script, rows, flags, what the line names): rows that only one script reads
     ("sft", [{"prompt": "hi"}], [], "no column 'completion'"),
     ("sft", None, ["--num-trainers", "2", "--batch-size", "3"], "not divisible"),
-    ("sft", None, ["--max-length", "8", "--max-tokens-per-micro-batch", "8"], "longer than --max-length"),
+    (
+        "sft",
+        None,
+        ["--max-length", "8", "--max-tokens-per-micro-batch", "8"],
+        "longer than --max-length",
+    ),
     ("rm", [PAIR, {**PAIR, "chosen": "  "}], [], "row 2 column 'chosen' is empty"),
     ("rm", [PAIR, {**PAIR, "rejected": " 2 "}], [], "row 2 has identical"),
-    ("rm", [PAIR, {**PAIR, "rejected": [{"role": "assistant", "content": ""}]}], [], "row 2 column 'rejected': mes"),
+    (
+        "rm",
+        [PAIR, {**PAIR, "rejected": [{"role": "assistant", "content": ""}]}],
+        [],
+        "row 2 column 'rejected': mes",
+    ),
     ("dpo", [PAIR, {**PAIR, "rejected": ""}], [], "row 2 column 'rejected' is empty"),
     ("dpo", [PAIR, {**PAIR, "rejected": " 2 "}], [], "row 2 has identical"),
     ("dpo", None, ["--ipo", "--label-smoothing", "0.1"], "--ipo"),
@@ -251,7 +297,9 @@ def test_model_without_whole_weights(run, model_copy, name):
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_truncated_model_weights(run, model_copy, name):
-    assert "model.safetensors is missing or truncated" in run(name, "--model", model_copy(truncate=True))
+    assert "model.safetensors is missing or truncated" in run(
+        name, "--model", model_copy(truncate=True)
+    )
 
 
 @pytest.mark.parametrize("name", ["sft", "dpo", "grpo", "dapo", "ppo"])
@@ -259,7 +307,9 @@ def test_message_prompts_need_a_chat_template(run, model_copy, name):
     path = model_copy(drop_template=True)
     rows = None
     if name == "sft":  # plain-text columns train fine; the default accuracy set has message prompts
-        message = run(name, "--model", path, "--accuracy-dataset", "data/arithmetic/prompts_test.jsonl")
+        message = run(
+            name, "--model", path, "--accuracy-dataset", "data/arithmetic/prompts_test.jsonl"
+        )
     else:
         rows = [{**GOOD_ROW[name], "prompt": [{"role": "user", "content": "1 + 1?"}]}]
         message = run(name, "--model", path, rows=rows)
@@ -306,9 +356,15 @@ def test_resume_checks(run, tmp_path, tiny_model, name):
     assert f"was made by {other}.py, not {name}.py" in message
     message = run(name, "--resume", fake_run(tmp_path / "b", f"{name}.py", "some/other-model"))
     assert "the run was made with --model some/other-model" in message
-    message = run(name, "--resume", fake_run(tmp_path / "c", f"{name}.py", tiny_model, truncate=True))
-    assert "--resume: checkpoint" in message and "model.safetensors is missing or truncated" in message
-    message = run(name, "--resume", fake_run(tmp_path / "d", f"{name}.py", tiny_model), "--num-steps", "1")
+    message = run(
+        name, "--resume", fake_run(tmp_path / "c", f"{name}.py", tiny_model, truncate=True)
+    )
+    assert (
+        "--resume: checkpoint" in message and "model.safetensors is missing or truncated" in message
+    )
+    message = run(
+        name, "--resume", fake_run(tmp_path / "d", f"{name}.py", tiny_model), "--num-steps", "1"
+    )
     assert "not before --num-steps 1" in message
     os.remove(tmp_path / "d" / "old_run" / "checkpoints" / "step_1" / "trainer_state.pt")
     assert "trainer_state.pt" in run(name, "--resume", str(tmp_path / "d" / "old_run"))
@@ -361,14 +417,15 @@ def test_ppo_whitening_of_equal_advantages_is_zero():
 def test_huge_log_ratio_with_zero_advantage_is_not_nan(name):
     module = importlib.import_module(name)
     logprobs, old, adv = torch.tensor([0.0, 0.0]), torch.tensor([-500.0, 500.0]), torch.zeros(2)
-    clip = (0.2, 0.28) if name == "dapo" else (0.2,)
+    clip = (0.2,) if name == "ppo" else (0.2, 0.28)
     loss, _ = module.compute_policy_loss(logprobs, old, adv, *clip)
     assert torch.equal(loss, torch.zeros(2))
 
 
 def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
-    """rm.py trains the score at the last token of encode_example's ids (the chat template's rendering, ending
-    after the end-of-turn token); ppo.py must score the same ids, not vLLM's (which end at the end-of-turn)."""
+    """rm.py trains the score at the last token of encode_example's ids (the chat template's
+    rendering, ending after the end-of-turn token); ppo.py must score the same ids, not vLLM's
+    (which end at the end-of-turn)."""
     import ppo
     import rm
     from common.data import encode_example, encode_prompt
@@ -376,33 +433,51 @@ def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
     prompt, response = [{"role": "user", "content": "What is 2 + 3?"}], "5"
     trained = encode_example(tokenizer, prompt, response)[0]
     assert ppo.reward_model_input(tokenizer, prompt, response) == trained
-    vllm_like = encode_prompt(tokenizer, prompt) + tokenizer(response, add_special_tokens=False).input_ids
+    vllm_like = (
+        encode_prompt(tokenizer, prompt) + tokenizer(response, add_special_tokens=False).input_ids
+    )
     vllm_like += [tokenizer.eos_token_id]  # what vLLM returns for a finished response
-    assert vllm_like != trained and trained[: len(vllm_like)] == vllm_like  # the template adds after the EOS
-    scorer = ppo.RewardModel.__ray_actor_class__(tiny_model, False)  # in-process, frozen, as ppo.py runs it
+    assert (
+        vllm_like != trained and trained[: len(vllm_like)] == vllm_like
+    )  # the template adds after the EOS
+    scorer = ppo.RewardModel.__ray_actor_class__(
+        tiny_model, False
+    )  # in-process, frozen, as ppo.py runs it
     torch.nn.init.normal_(scorer.model.score.weight)
     ids = torch.tensor([trained])
-    as_rm = rm.compute_rewards(scorer.model, ids, torch.arange(len(trained))[None])  # rm.py's reading
+    as_rm = rm.compute_rewards(
+        scorer.model, ids, torch.arange(len(trained))[None]
+    )  # rm.py's reading
     assert scorer.rewards([trained])[0] == pytest.approx(as_rm.item(), abs=1e-5)
-    assert abs(scorer.rewards([vllm_like])[0] - as_rm.item()) > 1e-3  # the old input read another token
+    assert (
+        abs(scorer.rewards([vllm_like])[0] - as_rm.item()) > 1e-3
+    )  # the old input read another token
 
 
 # ---- a few real processes: the exit status and stderr as a user sees them ----
 
 
 def test_one_error_line_in_a_real_process(tmp_path):
-    """Every script as a user runs it, started together (each spends seconds importing torch and vLLM)."""
+    """Every script as a user runs it, started together (each spends seconds importing torch and
+    vLLM)."""
     (tmp_path / "d.json").write_text("[{]")
     argv = ["--dataset", str(tmp_path / "d.json"), "--output-dir", str(tmp_path / "runs")]
     procs = {
         name: subprocess.Popen(
-            [sys.executable, f"{name}.py", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, f"{name}.py", *argv],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for name in SCRIPTS
     }
     for name, proc in procs.items():
         _, stderr = proc.communicate(timeout=180)
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        assert proc.returncode == 1 and len(errors) == 1 and "not valid JSON" in errors[0], (name, stderr[-2000:])
+        assert proc.returncode == 1 and len(errors) == 1 and "not valid JSON" in errors[0], (
+            name,
+            stderr[-2000:],
+        )
         assert "Traceback" not in stderr, name
     assert not (tmp_path / "runs").exists()

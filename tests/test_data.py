@@ -5,7 +5,15 @@ import json
 import pytest
 import torch
 
-from common.data import InputError, encode_example, encode_prompt, load_rows, pack, split_for_ranks, validate_rows
+from common.data import (
+    encode_example,
+    encode_prompt,
+    load_rows,
+    pack,
+    split_for_ranks,
+    validate_rows,
+)
+from common.errors import InputError
 
 
 def write_jsonl(path, rows):
@@ -45,7 +53,9 @@ def test_empty_value_and_bad_messages(tmp_path):
     with pytest.raises(InputError, match="row 1 column 'prompt' is empty"):
         validate_rows(rows, ["prompt", "answer"], "x")
     rows = [{"prompt": [{"role": "user"}], "answer": "1"}]
-    with pytest.raises(InputError, match=r"row 1 column 'prompt': message 1 \(user\) has no text content"):
+    with pytest.raises(
+        InputError, match=r"row 1 column 'prompt': message 1 \(user\) has no text content"
+    ):
         validate_rows(rows, ["prompt", "answer"], "x")
     rows = [{"prompt": [{"content": "hi"}], "answer": "1"}]
     with pytest.raises(InputError, match=r"message 1 is not a \{role, content\} object"):
@@ -97,7 +107,11 @@ def test_mask_covers_exactly_the_assistant_turns(tokenizer):
     assert runs == ["2 + 3 = 5<|im_end|>\n", "8<|im_end|>\n"]
     # and the prompt rendered for generation is exactly the unmasked prefix before the first answer
     prompt_ids = encode_prompt(tokenizer, messages[:1])
-    assert ids[: len(prompt_ids)] == prompt_ids and not any(mask[: len(prompt_ids)]) and mask[len(prompt_ids)] == 1
+    assert (
+        ids[: len(prompt_ids)] == prompt_ids
+        and not any(mask[: len(prompt_ids)])
+        and mask[len(prompt_ids)] == 1
+    )
 
 
 def test_plain_text_completion_mask(tokenizer):
@@ -108,7 +122,10 @@ def test_plain_text_completion_mask(tokenizer):
 
 
 def seqs(lengths):
-    return [{"input_ids": list(range(100 * i, 100 * i + n)), "w": [float(i)] * n} for i, n in enumerate(lengths)]
+    return [
+        {"input_ids": list(range(100 * i, 100 * i + n)), "w": [float(i)] * n}
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_pack_respects_budget_and_keeps_every_token():
@@ -128,7 +145,9 @@ def test_pack_respects_budget_and_keeps_every_token():
 
 
 def test_split_for_ranks_equal_micro_batch_counts():
-    shares = split_for_ranks(seqs([6, 5, 4]), world_size=2, max_tokens=8)  # rank 0: [6]; rank 1: [5], [4]
+    shares = split_for_ranks(
+        seqs([6, 5, 4]), world_size=2, max_tokens=8
+    )  # rank 0: [6]; rank 1: [5], [4]
     assert len(shares[0]) == len(shares[1]) == 2
     scales = sorted(mb["loss_scale"].item() for share in shares for mb in share)
     assert scales == [0.0, 1.0, 1.0, 1.0]

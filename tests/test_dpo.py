@@ -1,4 +1,5 @@
-"""dpo.py: DPO / cDPO / IPO losses, summed response logprobs, FSDP2 across ranks, end-to-end runs (bad input: test_bad_input.py)."""
+"""dpo.py: DPO / cDPO / IPO losses, summed response logprobs, FSDP2 across ranks, end-to-end runs
+(bad input: test_bad_input.py)."""
 
 import math
 import os
@@ -6,14 +7,13 @@ import os
 import pytest
 import ray
 import torch
-from conftest import assert_same_training, only_run_dir, read_jsonl, run_script
+from conftest import assert_same_training, only_run_dir, read_jsonl, run_script, start_ray_cpu
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import dpo
-from common.data import encode_example, load_rows, split_for_ranks
-from common.placement import Layout, call, init_ray, make_placement_group, spawn_trainers
-from common.ring_attn import shares_per_rank
+from common.data import encode_example, load_rows
+from common.placement import Layout, call, make_placement_group, spawn_trainers
 
 
 def softplus(x):  # -log σ(-x) = log(1 + e^x)
@@ -29,8 +29,12 @@ def test_losses_closed_form():
     dpo_want = torch.tensor([softplus(-1.0), softplus(0.25)])  # -log σ(β h) = log(1 + e^(-β h))
     torch.testing.assert_close(dpo.compute_dpo_loss(chosen, rejected, beta), dpo_want)
     eps = 0.2
-    cdpo_want = torch.tensor([0.8 * softplus(-1.0) + 0.2 * softplus(1.0), 0.8 * softplus(0.25) + 0.2 * softplus(-0.25)])
-    torch.testing.assert_close(dpo.compute_dpo_loss(chosen, rejected, beta, label_smoothing=eps), cdpo_want)
+    cdpo_want = torch.tensor(
+        [0.8 * softplus(-1.0) + 0.2 * softplus(1.0), 0.8 * softplus(0.25) + 0.2 * softplus(-0.25)]
+    )
+    torch.testing.assert_close(
+        dpo.compute_dpo_loss(chosen, rejected, beta, label_smoothing=eps), cdpo_want
+    )
     ipo_want = torch.tensor([(2 - 1.0) ** 2, (-0.5 - 1.0) ** 2])  # (h - 1/(2β))², 1/(2β) = 1
     torch.testing.assert_close(dpo.compute_dpo_loss(chosen, rejected, beta, ipo=True), ipo_want)
 
@@ -39,7 +43,9 @@ def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
     chosen = torch.zeros(3, requires_grad=True)
     rejected = torch.zeros(3, requires_grad=True)
     dpo.compute_dpo_loss(chosen, rejected, beta=0.1).sum().backward()
-    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()  # gradient descent raises Δ_c, lowers Δ_r
+    assert (chosen.grad < 0).all() and (
+        rejected.grad > 0
+    ).all()  # gradient descent raises Δ_c, lowers Δ_r
     torch.testing.assert_close(chosen.grad, torch.full((3,), -0.05))  # -β σ(0) = -0.05
 
 
@@ -51,23 +57,24 @@ def test_sequence_logprobs_sum_response_tokens_only(tiny_model, tokenizer):
         for text in ("2 + 3 = 5", "2 + 3 = 23", "5", "The sum of 2 and 3 is 6.")
     ]
     units = [dpo.make_pair(examples[0], examples[1]), dpo.make_pair(examples[2], examples[3])]
-    mb = {k: torch.tensor([units[0][k] + units[1][k]]) for k in units[0]}  # two pairs packed in one row
-    mb["seq_index"], mb["num_seqs"] = (mb["positions"] == 0).cumsum(1) - 1, torch.tensor(4)  # as pair_losses does
+    mb = {
+        k: torch.tensor([units[0][k] + units[1][k]]) for k in units[0]
+    }  # two pairs packed in one row
+    mb["seq_index"], mb["num_seqs"] = (
+        (mb["positions"] == 0).cumsum(1) - 1,
+        torch.tensor(4),
+    )  # as pair_losses does
     with torch.no_grad():
         got = dpo.sequence_logprobs(model, mb)
         want = []
-        for ids, mask in examples:  # each response alone: explicit log-softmax, summed over response tokens
+        for (
+            ids,
+            mask,
+        ) in examples:  # each response alone: explicit log-softmax, summed over response tokens
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
             want.append(sum(logp[t - 1, ids[t]] for t in range(1, len(ids)) if mask[t]))
     assert got.shape == (2, 2)
     torch.testing.assert_close(got, torch.stack(want).view(2, 2), atol=1e-4, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def ray_cpu():
-    init_ray(num_bundles=4)
-    yield
-    ray.shutdown()
 
 
 def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
@@ -78,15 +85,19 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     ]  # fmt: skip
     args = dpo.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=256, beta=0.5,
                     sp_size=sp_size)  # fmt: skip
+    args.num_trainers = world_size
+    start_ray_cpu()
     layout = Layout(False, trainers=world_size)
     pg = make_placement_group(layout.bundles, use_gpu=False)
     trainers = spawn_trainers(dpo.Trainer, pg, layout.trainers, args, model_path, model_path)
     losses = []
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]
-        shares = split_for_ranks(batch, world_size // sp_size, args.max_tokens_per_micro_batch)
-        out = call(trainers, "train_step", len(batch), step, per_rank=shares_per_rank(shares, sp_size))
-        losses.append(sum(o["loss"] for o in out[::sp_size]) / len(batch))  # an SP group reports its pairs once
+        shares = dpo.plan_micro_batches(batch, args)
+        out = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        losses.append(
+            sum(o["loss"] for o in out[::sp_size]) / len(batch)
+        )  # an SP group reports its pairs once
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
         ray.kill(t)
@@ -94,14 +105,27 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     return losses, load_file(os.path.join(out_dir, "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_model, tokenizer, tmp_path_factory):
+    """The one-rank run the two-rank runs are compared with, trained once."""
+    return train_with_ranks(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
+
+
 @pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
-def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path, sp_size):
-    # sp2: both ranks split every row with ring attention; sequence sums are all-reduced over the pair of ranks
-    losses1, weights1 = train_with_ranks(1, tiny_model, tokenizer, tmp_path / "one")
-    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size)
-    assert losses1[0] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference at step 0: -log σ(0)
+def test_two_ranks_match_one_rank(one_rank, tiny_model, tokenizer, tmp_path, sp_size):
+    # sp2: both ranks split every row with ring attention; sequence sums are all-reduced over the
+    # pair of ranks
+    losses1, weights1 = one_rank
+    losses2, weights2 = train_with_ranks(
+        2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size
+    )
+    assert losses1[0] == pytest.approx(
+        math.log(2), abs=1e-5
+    )  # policy = reference at step 0: -log σ(0)
     assert losses1 == pytest.approx(losses2, abs=1e-4)
-    assert_same_training(weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors")))
+    assert_same_training(
+        weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors"))
+    )
 
 
 def test_dpo_end_to_end_loads_in_transformers(tiny_model, tmp_path):
@@ -114,13 +138,23 @@ def test_dpo_end_to_end_loads_in_transformers(tiny_model, tmp_path):
     run_dir = only_run_dir(out)
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert rows[0]["eval/accuracy"] == pytest.approx(0.5, abs=0.1)  # policy = reference: ties count half
+    assert rows[0]["eval/accuracy"] == pytest.approx(
+        0.5, abs=0.1
+    )  # policy = reference: ties count half
     assert rows[0]["eval/margin"] == pytest.approx(0.0, abs=1e-3)
-    want = {"eval/loss", "eval/accuracy", "eval/margin", "eval/chosen_reward", "eval/greedy_accuracy"}
+    want = {
+        "eval/loss",
+        "eval/accuracy",
+        "eval/margin",
+        "eval/chosen_reward",
+        "eval/greedy_accuracy",
+    }
     assert want <= rows[-1].keys() and {"train/loss", "train/rejected_reward"} <= rows[1].keys()
     model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "final"))
     assert model.config.num_hidden_layers == 2
-    assert len(read_jsonl(os.path.join(run_dir, "samples.jsonl"))) == 2 * 64  # greedy samples at steps 0 and 3
+    assert (
+        len(read_jsonl(os.path.join(run_dir, "samples.jsonl"))) == 2 * 64
+    )  # greedy samples at steps 0 and 3
 
 
 def test_compute_loss_from_sequence_logprobs():

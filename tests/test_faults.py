@@ -1,7 +1,8 @@
-"""Faults after start-up, in real runs of grpo.py with a tiny model: each ends the run with one `error:` line naming
-what failed and where, within a minute, keeps the checkpoints already written, and leaves no process behind.
-(dapo.py and ppo.py reach the same code: common/checks.py's call_reward and RunError, common/placement.py's
-wait_all; their trainers' non-finite check is tested in test_gpu_paths-style, in-process, below.)"""
+"""Faults after start-up, in real runs of grpo.py with a tiny model: each ends the run with one
+`error:` line naming what failed and where, within a minute, keeps the checkpoints already written,
+and leaves no process behind. (dapo.py and ppo.py reach the same code: common/rewards.py's
+call_reward, common/errors.py's RunError, common/placement.py's wait_all; their trainers' non-finite
+check is tested in test_gpu_paths-style, in-process, below.)"""
 
 import importlib
 import os
@@ -15,15 +16,17 @@ import pytest
 import torch
 from conftest import REPO, only_run_dir, read_jsonl
 
-from common.checks import call_reward, check_weights
 from common.data import split_for_ranks
+from common.models import check_weights
+from common.rewards import call_reward
 
 FLAGS = ("--num-generations", "4", "--prompts-per-step", "4", "--max-response-length", "8", "--engine-memory",
          "0.25", "--eval-dataset", "")  # fmt: skip
 
 
 def processes(marker: str, name: str = "") -> list[int]:
-    """Processes started by one run (they inherit its marker environment variable), optionally by command line."""
+    """Processes started by one run (they inherit its marker environment variable), optionally by
+    command line."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -33,18 +36,31 @@ def processes(marker: str, name: str = "") -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if f"POSTTRAIN_TEST_RUN={marker}".encode() in env and name.encode() in cmd and int(pid) != os.getpid():
+        if (
+            f"POSTTRAIN_TEST_RUN={marker}".encode() in env
+            and name.encode() in cmd
+            and int(pid) != os.getpid()
+        ):
             found.append(int(pid))
     return found
 
 
 class Run:
-    """grpo.py (or `script`) in the background; `wait_for(text)` reads its stdout until a line contains text."""
+    """grpo.py (or `script`) in the background; `wait_for(text)` reads its stdout until a line
+    contains text."""
 
     def __init__(self, model, out, *flags, script="grpo.py"):
         self.marker = uuid.uuid4().hex
         env = dict(os.environ, PYTHONUNBUFFERED="1", POSTTRAIN_TEST_RUN=self.marker)
-        argv = [sys.executable, os.path.join(REPO, script), "--model", model, "--output-dir", str(out), *FLAGS]
+        argv = [
+            sys.executable,
+            os.path.join(REPO, script),
+            "--model",
+            model,
+            "--output-dir",
+            str(out),
+            *FLAGS,
+        ]
         self.proc = subprocess.Popen([*argv, *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -54,7 +70,9 @@ class Run:
             if text in line:
                 return
             assert time.monotonic() < deadline, f"no {text!r} within {timeout} s"
-        raise AssertionError(f"the run ended before printing {text!r}: {self.proc.stderr.read()[-3000:]}")
+        raise AssertionError(
+            f"the run ended before printing {text!r}: {self.proc.stderr.read()[-3000:]}"
+        )
 
     def kill(self, actor: str):
         """SIGKILL the run's processes of Ray actor class `actor`."""
@@ -64,7 +82,8 @@ class Run:
             os.kill(pid, signal.SIGKILL)
 
     def finish(self, within: float) -> tuple[int, str]:
-        """Wait for the exit (at most `within` s); its status and its `error:` line. Then no process may remain."""
+        """Wait for the exit (at most `within` s); its status and its `error:` line. Then no process
+        may remain."""
         try:
             self.proc.wait(timeout=within)
         except subprocess.TimeoutExpired:
@@ -76,23 +95,32 @@ class Run:
         deadline = time.monotonic() + 30
         while processes(self.marker) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not processes(self.marker), "processes of the run are still alive 30 s after it ended"
+        assert not processes(self.marker), (
+            "processes of the run are still alive 30 s after it ended"
+        )
         return self.proc.returncode, errors[0]
 
 
-# grpo.py: the engine dies once everything is up (the first step's generation). grpo_async.py: a trainer dies in
-# a step (step 2 starts at once: its batch was generated during step 1), and AsyncLLM's engine-core processes must
-# go too (finish checks). A killed Trainer reaches the same `call` in both scripts; a killed AsyncEngine is in
-# test_grpo_async.py's end-to-end test.
+# grpo.py: the engine dies once everything is up (the first step's generation). grpo_async.py: a
+# trainer dies in a step (step 2 starts at once: its batch was generated during step 1), and
+# AsyncLLM's engine-core processes must go too (finish checks). A killed Trainer reaches the same
+# `call` in both scripts; a killed AsyncEngine is in test_grpo_async.py's end-to-end test.
 @pytest.mark.parametrize(
     "script,actor,after",
     [
         pytest.param("grpo.py", "Engine", "run dir:", marks=pytest.mark.engine),
-        pytest.param("grpo_async.py", "Trainer", "step 1 ", marks=pytest.mark.cpu_engine("on GPUs it needs two")),
+        pytest.param(
+            "grpo_async.py",
+            "Trainer",
+            "step 1 ",
+            marks=pytest.mark.cpu_engine("on GPUs it needs two"),
+        ),
     ],
 )
 def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, actor, after):
-    run = Run(tiny_model, tmp_path, "--num-steps", "50", "--max-response-length", "48", script=script)
+    run = Run(
+        tiny_model, tmp_path, "--num-steps", "50", "--max-response-length", "48", script=script
+    )
     run.wait_for(after)
     run.kill(actor)
     status, error = run.finish(within=60)
@@ -109,30 +137,39 @@ def test_sigterm_stops_the_run_and_its_actors(tiny_model, tmp_path):
 
 
 @pytest.mark.engine
-def test_nan_reward_stops_before_training_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
-    reward = tmp_path / "flaky.py"  # fine for the 2 test calls and step 1 (4 prompts x 4 samples), then NaN
-    reward.write_text("calls = 0\ndef flaky(response, answer):\n    global calls\n    calls += 1\n"
-                      "    return 0.0 if calls <= 18 else float('nan')\n")  # fmt: skip
-    run = Run(tiny_model, tmp_path / "runs", "--num-steps", "3", "--save-every", "1", "--reward-fn", f"{reward}:flaky")
-    status, error = run.finish(within=600)
-    assert status == 1 and "reward function flaky returned nan, not a finite number (step 2, prompt row" in error
+def test_a_hanging_reward_stops_the_run_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
+    """A reward function that hangs at step 2: the run stops after --reward-timeout, naming it, the
+    step and the row, and exits although the call never returns; step 1's checkpoint stays whole, no
+    final model. (A reward that returns NaN or raises reaches the same check: in-process below and
+    in test_bad_input.py.)"""
+    reward = (
+        tmp_path / "stuck.py"
+    )  # fine for the 2 test calls and step 1 (4 prompts x 4 samples), then hangs
+    reward.write_text("import time\ncalls = 0\ndef stuck(response, answer):\n    global calls\n    calls += 1\n"
+                      "    if calls > 18:\n        time.sleep(3600)\n    return 0.0\n")  # fmt: skip
+    flags = (
+        "--num-steps",
+        "3",
+        "--save-every",
+        "1",
+        "--reward-fn",
+        f"{reward}:stuck",
+        "--reward-timeout",
+        "5",
+    )
+    run = Run(tiny_model, tmp_path / "runs", *flags)
+    run.wait_for("step 1 ")
+    started = time.monotonic()
+    status, error = run.finish(within=120)
+    assert (
+        status == 1
+        and "reward function stuck did not return within 5 s (step 2, prompt row" in error
+    )
+    assert time.monotonic() - started < 60
     run_dir = only_run_dir(tmp_path / "runs")
     assert [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1]
     check_weights(os.path.join(run_dir, "checkpoints", "step_1"), "checkpoint")  # whole
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]  # no final model
-
-
-@pytest.mark.engine
-def test_a_hanging_reward_function_is_stopped_by_the_timeout(tiny_model, tmp_path):
-    reward = tmp_path / "stuck.py"  # fine for the 2 test calls, then hangs
-    reward.write_text("import time\ncalls = 0\ndef stuck(response, answer):\n    global calls\n    calls += 1\n"
-                      "    if calls > 2:\n        time.sleep(3600)\n    return 0.0\n")  # fmt: skip
-    run = Run(tiny_model, tmp_path, "--num-steps", "3", "--reward-fn", f"{reward}:stuck", "--reward-timeout", "5")
-    run.wait_for("run dir:")
-    started = time.monotonic()
-    status, error = run.finish(within=120)
-    assert status == 1 and "reward function stuck did not return within 5 s (step 1, prompt row" in error
-    assert time.monotonic() - started < 60
 
 
 def test_reward_errors_name_the_function_step_and_row():
@@ -141,15 +178,28 @@ def test_reward_errors_name_the_function_step_and_row():
             raise ValueError("cannot parse")
         return 1.0
 
-    pairs, labels = [("ok", "1"), ("bad", "1")], ["prompt row 7, sample 1", "prompt row 7, sample 2"]
-    with pytest.raises(SystemExit, match=r"^error: reward function picky failed \(step 4, prompt row 7, sample 2\)"):
+    pairs, labels = (
+        [("ok", "1"), ("bad", "1")],
+        ["prompt row 7, sample 1", "prompt row 7, sample 2"],
+    )
+    with pytest.raises(
+        SystemExit, match=r"^error: reward function picky failed \(step 4, prompt row 7, sample 2\)"
+    ):
         call_reward(picky, pairs, "step 4", 5, labels)
+
+    def flaky(response, answer):
+        return float("nan") if response == "bad" else 0.0
+
+    with pytest.raises(SystemExit, match=r"^error: reward function flaky returned nan, not a finite number "
+                                         r"\(step 2, prompt row 7, sample 2\)"):  # fmt: skip
+        call_reward(flaky, pairs, "step 2", 5, labels)
 
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "ppo-critic"])
 def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tiny_model, name):
-    """Every trainer (and ppo.py's critic) raises before optimizer.step() when the gradient norm is NaN or inf,
-    so the weights stay as they were (the driver then stops with one line naming the actor and step)."""
+    """Every trainer (and ppo.py's critic) raises before optimizer.step() when the gradient norm is
+    NaN or inf, so the weights stay as they were (the driver then stops with one line naming the
+    actor and step)."""
     module = importlib.import_module(name.split("-")[0])
     addr, port = one_rank_group
     args = module.Args(learning_rate=1e-3)
@@ -163,7 +213,9 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
         paths = (tiny_model, tiny_model) if name == "ppo" else (tiny_model,)
         actor = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
         extra = {"old_logprobs": [-1.0] * 2} if name == "ppo" else {"engine_logprobs": [-1.0] * 2}
-        seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2, **extra)
+        seq = module.make_sequence(
+            [5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2, **extra
+        )
         call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
     elif name == "sft":
         actor = module.Trainer.__ray_actor_class__(args, tiny_model, 0, 1, addr, port)
@@ -178,7 +230,11 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
             pair = module.make_pair(([5, 6, 7, 8], [0, 0, 1, 1]), ([5, 6, 7, 9], [0, 0, 1, 1]))
         call = lambda: actor.train_step(split_for_ranks([pair], 1, 64)[0], 0, 0)  # noqa: E731
     before = [p.detach().clone() for p in actor.model.parameters()]
-    with pytest.raises(FloatingPointError, match=r"non-finite .*gradient norm \((nan|inf)\) at step 1"):
+    with pytest.raises(
+        FloatingPointError, match=r"non-finite .*gradient norm \((nan|inf)\) at step 1"
+    ):
         call()
     after = list(actor.model.parameters())
-    assert all(torch.equal(a, b) for a, b in zip(before, after)), "the optimizer stepped on NaN gradients"
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), (
+        "the optimizer stepped on NaN gradients"
+    )

@@ -1,6 +1,7 @@
-"""The CUDA-only parts of the scripts, checked on CPU: every documented command passes argument validation,
-flash-attn is chosen only where it runs, the weight push waits for the optimizer step and frees the CUDA
-cache, and a colocated trainer hands its cached memory back before the engine wakes."""
+"""The CUDA-only parts of the scripts, checked on CPU: every documented command passes argument
+validation, flash-attn is chosen only where it runs, the weight push waits for the optimizer step
+and frees the CUDA cache, and a colocated trainer hands its cached memory back before the engine
+wakes."""
 
 import importlib
 import os
@@ -14,7 +15,7 @@ import torch
 import tyro
 from conftest import REPO
 
-from common import model as common_model
+from common import models as common_model
 from common.data import split_for_ranks
 from common.weight_sync import WeightSync
 
@@ -22,7 +23,8 @@ SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
 
 
 def docstring_commands(module) -> list[list[str]]:
-    """The `python <script>.py ...` commands of a script's "Run it:" section, as argv lists (comments dropped)."""
+    """The `python <script>.py ...` commands of a script's "Run it:" section, as argv lists
+    (comments dropped)."""
     text = module.__doc__.split("Run it:", 1)[1]
     commands, current = [], ""
     for line in text.splitlines():
@@ -56,14 +58,19 @@ def test_documented_commands_pass_validation(name):
      ("rm", ["--max-length", "700"], 1400, 1400), ("dpo", [], 1024, 1024)],
 )  # fmt: skip
 def test_micro_batch_budget_follows_the_sequence_length(name, flags, longest, budget):
-    """Default: the script's usual budget, or one longest sequence (pair) when that is more. A budget the user
-    sets is never raised behind their back: too small, it is rejected with one line."""
+    """Default: the script's usual budget, or one longest sequence (pair) when that is more. A
+    budget the user sets is never raised behind their back: too small, it is rejected with one
+    line."""
     module = importlib.import_module(name)
     args = tyro.cli(module.Args, args=flags)
     module.validate_args(args)
     assert args.max_tokens_per_micro_batch == budget
-    too_small = tyro.cli(module.Args, args=[*flags, "--max-tokens-per-micro-batch", str(longest - 1)])
-    with pytest.raises(SystemExit, match=f"^error: --max-tokens-per-micro-batch must fit .*{longest}"):
+    too_small = tyro.cli(
+        module.Args, args=[*flags, "--max-tokens-per-micro-batch", str(longest - 1)]
+    )
+    with pytest.raises(
+        SystemExit, match=f"^error: --max-tokens-per-micro-batch must fit .*{longest}"
+    ):
         module.validate_args(too_small)
 
 
@@ -77,7 +84,9 @@ def test_flash_attention_only_where_it_runs(monkeypatch, capability, installed, 
     monkeypatch.setattr(
         common_model.importlib.util,
         "find_spec",
-        lambda name, *a: (object() if installed else None) if name == "flash_attn" else real_find_spec(name, *a),
+        lambda name, *a: (
+            (object() if installed else None) if name == "flash_attn" else real_find_spec(name, *a)
+        ),
     )
     assert common_model.attn_implementation(torch.device("cuda", 0)) == want
     assert common_model.attn_implementation(torch.device("cpu")) == "sdpa"
@@ -96,9 +105,8 @@ def test_push_waits_for_the_optimizer_step_and_frees_the_cache(monkeypatch):
     WeightSync(Transfer(), True, None, [], torch.float32).push()
     assert events == ["synchronize", "send_weights", "empty_cache"]
     events.clear()
-    WeightSync(
-        Transfer(), False, None, [], torch.float32
-    ).push()  # no engine on this GPU: the next step reuses the cache
+    # no engine on this GPU: the next step reuses the cache
+    WeightSync(Transfer(), False, None, [], torch.float32).push()
     assert events == ["synchronize", "send_weights"]
 
 
@@ -108,12 +116,17 @@ def one_micro_batch(module, **per_token):
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "ppo"])
-def test_colocated_trainer_frees_cuda_cache_after_train_step(monkeypatch, one_rank_group, tiny_model, name):
-    """Colocated, vLLM wakes its weights on this GPU right after train_step: the step's cached blocks go back first."""
+def test_colocated_trainer_frees_cuda_cache_after_train_step(
+    monkeypatch, one_rank_group, tiny_model, name
+):
+    """Colocated, vLLM wakes its weights on this GPU right after train_step: the step's cached
+    blocks go back first."""
     module = importlib.import_module(name)
     addr, port = one_rank_group
     args = module.Args(colocate=True, learning_rate=1e-4)
-    paths = (tiny_model, tiny_model) if name == "ppo" else (tiny_model,)  # ppo.py: policy and reference
+    paths = (
+        (tiny_model, tiny_model) if name == "ppo" else (tiny_model,)
+    )  # ppo.py: policy and reference
     trainer = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
     extra = {"old_logprobs": -1.0} if name == "ppo" else {"engine_logprobs": -1.0}
     micro_batches = one_micro_batch(module, advantages=1.0, loss_weights=0.5, **extra)
@@ -128,8 +141,9 @@ def test_colocated_trainer_frees_cuda_cache_after_train_step(monkeypatch, one_ra
 
 
 def test_engines_log_vllm_warnings_less_the_known_ones(tmp_path):
-    """vLLM's logging as the engines configure it (common/vllm_logging.json): a warning reaches the output, an info
-    line does not, and a known one (a deliberate setting, a check made precise elsewhere) is dropped."""
+    """vLLM's logging as the engines configure it (common/vllm_logging.json): a warning reaches the
+    output, an info line does not, and a known one (a deliberate setting, a check made precise
+    elsewhere) is dropped."""
     code = (
         "import json, logging, logging.config, sys\n"
         f"sys.path.insert(0, {REPO!r})\n"
@@ -145,18 +159,27 @@ def test_engines_log_vllm_warnings_less_the_known_ones(tmp_path):
 
 
 def test_gpu_check_has_its_steps_and_refuses_without_a_gpu(tmp_path):
-    """benchmark/gpu_check.sh: steps 0-5 and `report`, each one a case of the script; on a machine without a GPU
-    a step stops with one line, and an unknown step is named."""
+    """benchmark/gpu_check.sh: steps 0-5 and `report`, each one a case of the script; on a machine
+    without a GPU a step stops with one line, and an unknown step is named."""
     script = os.path.join(REPO, "benchmark", "gpu_check.sh")
     with open(script) as f:
         text = f.read()
     assert re.findall(r"^(\w+)\)$", text, re.M) == ["0", "1", "2", "3", "4", "5", "report"]
-    env = dict(os.environ, PYTHON=sys.executable, WORK=str(tmp_path), PATH=f"{tmp_path}:{os.environ['PATH']}")
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # whatever this machine has: no GPU here
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        WORK=str(tmp_path),
+        PATH=f"{tmp_path}:{os.environ['PATH']}",
+    )
+    (tmp_path / "nvidia-smi").write_text(
+        "#!/bin/sh\nexit 9\n"
+    )  # whatever this machine has: no GPU here
     (tmp_path / "nvidia-smi").chmod(0o755)
     out = subprocess.run(["bash", script, "3"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [
         "error: no NVIDIA GPU visible (nvidia-smi -L); this check is for GPU machines"
     ]
-    out = subprocess.run(["bash", script, "report"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        ["bash", script, "report"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert out.returncode == 0

@@ -1,7 +1,9 @@
-"""The course labs keep working as the scripts change: every lab's solution.diff applies to its parent script and
-the result passes the lab's function checks; the unmodified parent fails them (a grader that cannot fail is no
-grader); the commands in a lab's README parse with the solved script; every lab has its files and is linked."""
+"""The course labs keep working as the scripts change: every lab's solution.diff applies to its
+parent script and the result passes the lab's function checks; the unmodified parent fails them (a
+grader that cannot fail is no grader); the commands in a lab's README parse with the solved script;
+every lab has its files and is linked."""
 
+import difflib
 import json
 import os
 import re
@@ -15,9 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABS_DIR = os.path.join(REPO, "labs")
 LABS = sorted(d for d in os.listdir(LABS_DIR) if re.fullmatch(r"\d\d-[a-z0-9-]+", d))
 
-# One process per lab (imports are most of the cost): the grader's function checks on the solved script, then
-# on the unmodified parent, then every `python my_x.py ...` command of the lab's README parsed by the solved
-# script's own Args and validate_args. Prints one JSON line.
+# One process per lab (imports are most of the cost): the grader's function checks on the solved
+# script, then on the unmodified parent, then every `python my_x.py ...` command of the lab's README
+# parsed by the solved script's own Args and validate_args. Prints one JSON line.
 LAB_PROGRAM = """
 import contextlib, importlib.util, io, json, runpy, shlex, sys
 import tyro
@@ -64,7 +66,10 @@ def readme_commands(lab: str, parent: str) -> list[str]:
     with open(os.path.join(LABS_DIR, lab, "README.md")) as f:
         text = f.read().replace("\\\n", " ")
     pattern = r"python (my_\w+\.py|" + re.escape(parent) + r")([^\n`|]*)"
-    return [("my:" if m.group(1).startswith("my_") else "parent:") + m.group(2) for m in re.finditer(pattern, text)]
+    return [
+        ("my:" if m.group(1).startswith("my_") else "parent:") + m.group(2)
+        for m in re.finditer(pattern, text)
+    ]
 
 
 def test_every_lab_has_its_files_and_is_linked():
@@ -79,7 +84,9 @@ def test_every_lab_has_its_files_and_is_linked():
         assert f"({lab}/README.md)" in guide, f"labs/README.md does not link {lab}"
         with open(os.path.join(LABS_DIR, lab, "README.md")) as f:
             text = f.read()
-        assert "expected.png" in text and "python -m common.plot" in text, f"{lab}: no command beside expected.png"
+        assert "expected.png" in text and "python -m common.plot" in text, (
+            f"{lab}: no command beside expected.png"
+        )
 
 
 @pytest.mark.parametrize("lab", LABS)
@@ -91,30 +98,132 @@ def test_solution_applies_passes_its_grader_and_the_parent_fails(lab, tmp_path):
     subprocess.run(["git", "apply", diff], cwd=tmp_path, check=True)
     commands = readme_commands(lab, parent)
     check = os.path.join(LABS_DIR, lab, "check.py")
-    program = [sys.executable, "-c", LAB_PROGRAM, check, str(tmp_path / parent), os.path.join(REPO, parent)]
-    proc = subprocess.run([*program, *commands], cwd=REPO, capture_output=True, text=True, timeout=600)
+    program = [
+        sys.executable,
+        "-c",
+        LAB_PROGRAM,
+        check,
+        str(tmp_path / parent),
+        os.path.join(REPO, parent),
+    ]
+    proc = subprocess.run(
+        [*program, *commands], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (code, out), (parent_code, parent_out) = result["solved"], result["parent"]
     assert code == 0 and re.search(r"all \d+ checks passed", out), f"solution of {lab}:\n{out}"
-    failed_check = re.search(r"^FAIL  (?!importing)", parent_out, re.M)  # a check failed, not the import
-    assert parent_code == 1 and failed_check, f"the grader of {lab} passes the unmodified {parent}:\n{parent_out}"
-    assert any(c.startswith("my:") for c in commands), f"{lab}/README.md has no `python my_...py` command"
+    failed_check = re.search(
+        r"^FAIL  (?!importing)", parent_out, re.M
+    )  # a check failed, not the import
+    assert parent_code == 1 and failed_check, (
+        f"the grader of {lab} passes the unmodified {parent}:\n{parent_out}"
+    )
+    assert any(c.startswith("my:") for c in commands), (
+        f"{lab}/README.md has no `python my_...py` command"
+    )
     assert result["commands"] == ["ok"] * len(commands), f"{lab}/README.md: {result['commands']}"
 
 
-@pytest.mark.parametrize("diffs, passes", [([0.002, 0.08, 0.003, 0.09], True), ([0.002, 0.004, 0.003, 0.005], False)])
+BANNER = re.compile(r"^# (ALGO LOGIC|TRY NOT TO MODIFY|SETUP AND CHECKS):|^def main\(")
+
+
+def protected_lines(path: str) -> set[int]:
+    """Line numbers of a script's TRY NOT TO MODIFY blocks: from each such top-level banner comment
+    to the next top-level banner (ALGO LOGIC, TRY NOT TO MODIFY, SETUP AND CHECKS) or `def
+    main(`."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    protected, inside = set(), False
+    for number, line in enumerate(lines, 1):
+        if BANNER.match(line):
+            inside = line.startswith("# TRY NOT TO MODIFY:")
+        if inside:
+            protected.add(number)
+    return protected
+
+
+def touched_lines(diff_path: str) -> list[tuple[int, str]]:
+    """(line of the parent, diff line) for every line a diff removes, and for every line it inserts
+    the two parent lines around the insertion point (an insertion inside a block touches the
+    block)."""
+    with open(diff_path) as f:
+        text = f.read()
+    touched, old = [], 0
+    for line in text.splitlines():
+        hunk = re.match(r"^@@ -(\d+)", line)
+        if hunk:
+            old = int(hunk.group(1))
+        elif line.startswith("-") and not line.startswith("---"):
+            touched.append((old, line))
+            old += 1
+        elif line.startswith("+") and not line.startswith("+++"):
+            touched.append((old - 0.5, line))  # between parent lines old - 1 and old
+        elif line.startswith(" "):
+            old += 1
+    return touched
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_solutions_leave_the_plumbing_alone(lab):
+    """A lab changes the algorithm (ALGO LOGIC blocks, Args, main's loop, the checks) and never a
+    TRY NOT TO MODIFY block: a new loss input or aggregation reaches the trainer without editing the
+    plumbing."""
+    parent = parent_of(lab)
+    inside = plumbing_edits(
+        os.path.join(REPO, parent), os.path.join(LABS_DIR, lab, "solution.diff")
+    )
+    assert not inside, f"{lab} edits TRY NOT TO MODIFY blocks of {parent}: {inside[:5]}"
+
+
+def plumbing_edits(parent: str, diff: str) -> list[tuple[float, str]]:
+    """The lines of a diff of `parent` that fall inside its TRY NOT TO MODIFY blocks."""
+    protected = protected_lines(parent)
+    return [
+        (where, line)
+        for where, line in touched_lines(diff)
+        if (where in protected) or (where % 1 and {where - 0.5, where + 0.5} <= protected)
+    ]
+
+
+def test_the_plumbing_check_can_fail(tmp_path):
+    """protected_lines and touched_lines find an edit inside a TRY NOT TO MODIFY block of
+    grpo.py."""
+    protected = protected_lines(os.path.join(REPO, "grpo.py"))
+    with open(os.path.join(REPO, "grpo.py")) as f:
+        lines = f.read().splitlines()
+    step = next(i for i, line in enumerate(lines, 1) if "def optimizer_step" in line)
+    main = next(i for i, line in enumerate(lines, 1) if line.startswith("def main("))
+    assert step in protected and main not in protected and main + 5 not in protected
+    assert next(i for i, line in enumerate(lines, 1) if "def compute_loss" in line) not in protected
+    edited = list(lines)
+    edited[step] += "  # an edit of the plumbing"
+    diff = "\n".join(difflib.unified_diff(lines, edited, "a/grpo.py", "b/grpo.py", lineterm=""))
+    with open(os.path.join(tmp_path, "edit.diff"), "w") as f:
+        f.write(diff + "\n")
+    assert [round(w) for w, _ in plumbing_edits(os.path.join(REPO, "grpo.py"), f.name)] == [
+        step + 1
+    ] * 2
+
+
+@pytest.mark.parametrize(
+    "diffs, passes", [([0.002, 0.08, 0.003, 0.09], True), ([0.002, 0.004, 0.003, 0.005], False)]
+)
 def test_a_run_check_reads_the_run_and_can_fail(tmp_path, diffs, passes):
-    """Lab 06's run part on a made-up run dir: the stale steps' logprob gap must be 10x the fresh ones'."""
+    """Lab 06's run part on a made-up run dir: the stale steps' logprob gap must be 10x the fresh
+    ones'."""
     lab, parent = "06-weight-sync", "grpo.py"
     shutil.copy(os.path.join(REPO, parent), tmp_path / parent)
-    subprocess.run(["git", "apply", os.path.join(LABS_DIR, lab, "solution.diff")], cwd=tmp_path, check=True)
+    subprocess.run(
+        ["git", "apply", os.path.join(LABS_DIR, lab, "solution.diff")], cwd=tmp_path, check=True
+    )
     run_dir = tmp_path / "runs" / "sync_every_2__1__0"
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps({"script": parent, "args": {"sync_every": 2}}))
     tis = [1.0, 1.02, 1.0, 0.97]
     rows = [
-        {"step": s + 1, "train/logprob_diff_mean": d, "train/tis_weight": w} for s, (d, w) in enumerate(zip(diffs, tis))
+        {"step": s + 1, "train/logprob_diff_mean": d, "train/tis_weight": w}
+        for s, (d, w) in enumerate(zip(diffs, tis))
     ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     check = os.path.join(LABS_DIR, lab, "check.py")

@@ -1,5 +1,6 @@
-"""The LM head's chunked log-probabilities (common/lm_head.py) equal the plain computation, values and gradients,
-for any chunking, and the scripts' compute_logprobs through a real FSDP2 model equals the formula it replaced."""
+"""The LM head's chunked log-probabilities (common/lm_head.py) equal the plain computation, values
+and gradients, for any chunking, and the scripts' compute_logprobs through a real FSDP2 model equals
+the formula it replaced."""
 
 import os
 
@@ -21,7 +22,10 @@ def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, te
     N, H, V = 37, 16, 500
     monkeypatch.setattr(lm_head, "HEAD_CHUNK_BYTES", 4 * V * tokens_per_chunk)
     # logits of a trained model's size (std ~1): log-probabilities around -6, as in the scripts
-    hidden, weight = torch.randn(N, H, requires_grad=True), (torch.randn(V, H) / H**0.5).requires_grad_()
+    hidden, weight = (
+        torch.randn(N, H, requires_grad=True),
+        (torch.randn(V, H) / H**0.5).requires_grad_(),
+    )
     labels, upstream = torch.randint(0, V, (N,)), torch.randn(N)
 
     ref = plain(hidden, weight, labels, temperature)
@@ -36,9 +40,12 @@ def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, te
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_compute_logprobs_through_an_fsdp2_model_equals_the_formula_it_replaced(one_rank_group, tiny_model):
-    """One gloo rank, the scripts' loader (FSDP2, the LogprobHead installed): the log-probabilities and every
-    parameter's gradient equal log_softmax(logits / T)[label] from the model's plain logits."""
+def test_compute_logprobs_through_an_fsdp2_model_equals_the_formula_it_replaced(
+    one_rank_group, tiny_model
+):
+    """One gloo rank, the scripts' loader (FSDP2, the LogprobHead installed): the log-probabilities
+    and every parameter's gradient equal log_softmax(logits / T)[label] from the model's plain
+    logits."""
     import torch.distributed as dist
 
     import grpo
@@ -53,23 +60,35 @@ def test_compute_logprobs_through_an_fsdp2_model_equals_the_formula_it_replaced(
     mask = (torch.arange(40) >= 12).long()[None]
 
     logprobs = grpo.compute_logprobs(model, ids, positions, labels, mask, 0.8)
-    assert isinstance(model.lm_head, lm_head.LogprobHead)  # installed on first use, the same parameter
+    assert isinstance(
+        model.lm_head, lm_head.LogprobHead
+    )  # installed on first use, the same parameter
     logprobs.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     keep = mask[0].nonzero().squeeze(-1)
-    logits = model(input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False).logits[0]
-    assert logits.shape == (len(keep), model.config.vocab_size)  # outside token_logprobs: logits, as before
-    reference = torch.log_softmax(logits.float() / 0.8, dim=-1).gather(1, labels[0, keep, None]).squeeze(1)
+    logits = model(
+        input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False
+    ).logits[0]
+    assert logits.shape == (
+        len(keep),
+        model.config.vocab_size,
+    )  # outside token_logprobs: logits, as before
+    reference = (
+        torch.log_softmax(logits.float() / 0.8, dim=-1).gather(1, labels[0, keep, None]).squeeze(1)
+    )
     reference.sum().backward()
 
     assert logprobs.shape == (len(keep),) and (logprobs - reference).abs().max() <= 1e-6
     for name, p in model.named_parameters():
-        assert (grads[name] - p.grad).abs().max() <= 1e-5 * max(1.0, p.grad.abs().max().item()), name
+        assert (grads[name] - p.grad).abs().max() <= 1e-5 * max(1.0, p.grad.abs().max().item()), (
+            name
+        )
 
 
 def test_no_tokens_at_all():
-    """A rank's share of a row under ring attention can hold no response token: (0,) out, zero gradients."""
+    """A rank's share of a row under ring attention can hold no response token: (0,) out, zero
+    gradients."""
     hidden, weight = torch.randn(0, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
     out = lm_head.TokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0)
     out.sum().backward()

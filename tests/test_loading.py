@@ -1,6 +1,7 @@
-"""The memory-efficient loader (meta device, FSDP2 wrap, rank 0 reads and broadcasts) gives exactly what the plain
-loader gave: every rank reading the whole checkpoint with from_pretrained, then sharding. Two gloo ranks, tiny
-models; the weights, the buffers, one training step's loss and the weights after it must be bit-identical."""
+"""The memory-efficient loader (meta device, FSDP2 wrap, rank 0 reads and broadcasts) gives exactly
+what the plain loader gave: every rank reading the whole checkpoint with from_pretrained, then
+sharding. Two gloo ranks, tiny models; the weights, the buffers, one training step's loss and the
+weights after it must be bit-identical."""
 
 import os
 import socket
@@ -16,16 +17,25 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 
 def plain_loader(kind: str, path: str):
-    """The loader every script had before: the whole checkpoint on every rank, then the FSDP2 wrap."""
+    """The loader every script had before: the whole checkpoint on every rank, then the FSDP2
+    wrap."""
     if kind == "policy":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        )
     else:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
+            path,
+            num_labels=1,
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            output_loading_info=True,
         )
         if kind == "critic" and any(k.startswith("score.") for k in info["missing_keys"]):
             torch.nn.init.zeros_(model.score.weight)
-        model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        model.config.pad_token_id = (
+            model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        )
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=MixedPrecisionPolicy())
     fully_shard(model, mp_policy=MixedPrecisionPolicy())
@@ -74,18 +84,30 @@ def compare(rank: int, port: int, kind: str, path: str):
         torch.manual_seed(7)
         new = new_loader(kind, path)
         full = StateDictOptions(full_state_dict=True)
-        before_plain, before_new = get_model_state_dict(plain, options=full), get_model_state_dict(new, options=full)
+        before_plain, before_new = (
+            get_model_state_dict(plain, options=full),
+            get_model_state_dict(new, options=full),
+        )
         assert before_plain.keys() == before_new.keys()
         for name in before_plain:
-            assert torch.equal(before_plain[name], before_new[name]), f"{kind}: {name} differs after loading"
+            assert torch.equal(before_plain[name], before_new[name]), (
+                f"{kind}: {name} differs after loading"
+            )
         for (name, a), (_, b) in zip(plain.named_buffers(), new.named_buffers()):
             assert torch.equal(a, b), f"{kind}: buffer {name} differs (not broadcast from rank 0?)"
         assert one_step(plain, kind) == one_step(new, kind)
-        after_plain, after_new = get_model_state_dict(plain, options=full), get_model_state_dict(new, options=full)
+        after_plain, after_new = (
+            get_model_state_dict(plain, options=full),
+            get_model_state_dict(new, options=full),
+        )
         for name in after_plain:
-            assert torch.equal(after_plain[name], after_new[name]), f"{kind}: {name} differs after one step"
+            assert torch.equal(after_plain[name], after_new[name]), (
+                f"{kind}: {name} differs after one step"
+            )
         moved = max((after_new[n] - before_new[n]).abs().max().item() for n in after_new)
-        assert moved > 1e-4  # the step changed the weights: the comparison is not between two idle models
+        assert (
+            moved > 1e-4
+        )  # the step changed the weights: the comparison is not between two idle models
     finally:
         dist.destroy_process_group()
 

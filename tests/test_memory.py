@@ -1,6 +1,7 @@
-"""The memory plan (common/memory.py): the tables of docs/cluster.md are what it computes, a run that cannot fit is
-refused with one line that names the numbers and a fix, a run that fits is not, the hybrid engine parks idle
-models in host RAM exactly when that is what makes a run fit, and a parked model trains on exactly as before."""
+"""The memory plan (common/memory.py): the tables of docs/cluster.md are what it computes, a run
+that cannot fit is refused with one line that names the numbers and a fix, a run that fits is not,
+the hybrid engine parks idle models in host RAM exactly when that is what makes a run fit, and a
+parked model trains on exactly as before."""
 
 import os
 import re
@@ -24,16 +25,25 @@ def shapes():
 
 def test_parameter_counts_are_the_published_ones(shapes):
     billions = {name: round(s.params / 1e9, 2) for name, s in shapes.items()}
-    assert billions == {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.62, "Llama-3.1-70B": 70.55}
+    assert billions == {
+        "Qwen2.5-0.5B": 0.49,
+        "Qwen2.5-1.5B": 1.54,
+        "Qwen2.5-7B": 7.62,
+        "Llama-3.1-70B": 70.55,
+    }
     s7 = shapes["Qwen2.5-7B"]
-    assert s7.layers == 28 and s7.kv == 4 * 128 and s7.root == 2 * 152064 * 3584 + 3584  # untied: two vocab matrices
+    assert (
+        s7.layers == 28 and s7.kv == 4 * 128 and s7.root == 2 * 152064 * 3584 + 3584
+    )  # untied: two vocab matrices
 
 
 def test_docs_tables_are_what_the_plan_computes():
     with open(os.path.join(REPO, "docs", "cluster.md")) as f:
         docs = f.read()
     for row in memory_plan.rows():
-        assert row in docs, f"docs/cluster.md is out of date (python benchmark/memory_plan.py): {row}"
+        assert row in docs, (
+            f"docs/cluster.md is out of date (python benchmark/memory_plan.py): {row}"
+        )
 
 
 def test_a_plan_that_cannot_fit_is_refused_naming_the_numbers_and_a_fix(shapes):
@@ -52,11 +62,17 @@ def test_the_fix_offered_is_the_cheapest_that_fits(shapes):
     s = shapes["Qwen2.5-1.5B"]
     big_batch = Job(s, trainers=1, tokens=65536, checkpointing=False)  # activations dominate
     need = memory.peak(big_batch, H100)[3]
-    with pytest.raises(SystemExit, match=r"fit with --gradient-checkpointing or --max-tokens-per-micro-batch \d+"):
+    with pytest.raises(
+        SystemExit, match=r"fit with --gradient-checkpointing or --max-tokens-per-micro-batch \d+"
+    ):
         memory.check(big_batch, H100)
     assert memory.fits(replace(big_batch, checkpointing=True), H100) and need > H100
-    hungry_engine = Job(s, trainers=1, tokens=8192, checkpointing=True, engines=1, engine_memory=0.9, colocate=True)
-    with pytest.raises(SystemExit, match=r"GPU 0 generating needs .*fit with --engine-memory 0\.45"):
+    hungry_engine = Job(
+        s, trainers=1, tokens=8192, checkpointing=True, engines=1, engine_memory=0.9, colocate=True
+    )
+    with pytest.raises(
+        SystemExit, match=r"GPU 0 generating needs .*fit with --engine-memory 0\.45"
+    ):
         memory.check(hungry_engine, H100)
 
 
@@ -69,8 +85,9 @@ def test_engine_weights_must_fit_their_share(shapes):
 
 
 def test_what_fits_is_never_refused(shapes):
-    """For every run of docs/cluster.md and GPUs of 24 to 141 GiB: the check refuses exactly the runs whose peak
-    (with idle models offloaded, where that is allowed) exceeds the GPU, and says so in its line otherwise."""
+    """For every run of docs/cluster.md and GPUs of 24 to 141 GiB: the check refuses exactly the
+    runs whose peak (with idle models offloaded, where that is allowed) exceeds the GPU, and says so
+    in its line otherwise."""
     for run, layout, job in memory_plan.cases():
         for capacity in (24 * GiB, 40 * GiB, H100, 141 * GiB):
             best = replace(job, offload=bool(job.colocate and (job.critic or job.reward_model)))
@@ -81,19 +98,25 @@ def test_what_fits_is_never_refused(shapes):
                 assert not fits, (run, layout, capacity, e.code)
                 assert re.match(r"error: memory plan: .*(does not fit|do not fit)", str(e.code))
                 continue
-            assert fits and line.startswith("memory plan: ") and ": fits" in line, (run, layout, capacity)
+            assert fits and line.startswith("memory plan: ") and ": fits" in line, (
+                run,
+                layout,
+                capacity,
+            )
 
 
 def test_the_hybrid_engine_parks_idle_models_only_when_that_makes_it_fit(shapes):
-    """ppo.py, 1.5B policy + critic + reward model on one GPU: an 80 GB GPU holds everything at once; a 70 GB one
-    only with the critic and the reward model in host RAM while vLLM generates and the policy trains; 40 GB
-    not at all."""
+    """ppo.py, 1.5B policy + critic + reward model on one GPU: an 80 GB GPU holds everything at
+    once; a 70 GB one only with the critic and the reward model in host RAM while vLLM generates and
+    the policy trains; 40 GB not at all."""
     s15, score = shapes["Qwen2.5-1.5B"], memory_plan.shape("Qwen2.5-1.5B", "score")
     job = Job(s15, trainers=1, tokens=16384, checkpointing=True, reference=True, engines=1, engine_memory=0.4,
               colocate=True, critic=score, critics=1, reward_model=score)  # fmt: skip
     assert not memory.check(job, H100)[0].offload
     checked, line = memory.check(job, 70 * GiB)
-    assert checked.offload and line.endswith("the critic and reward model wait in host RAM when idle")
+    assert checked.offload and line.endswith(
+        "the critic and reward model wait in host RAM when idle"
+    )
     parked = dict((phase, parts) for _, phase, parts in memory.needs(checked, 70 * GiB))
     assert not any(k.startswith(("critic", "reward")) for k in parked["generating"])
     with pytest.raises(SystemExit, match="does not fit"):
@@ -101,24 +124,31 @@ def test_the_hybrid_engine_parks_idle_models_only_when_that_makes_it_fit(shapes)
 
 
 def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model):
-    """A script's own flags, on a (pretended) GPU: the plan's line is printed, and too small a GPU refuses it."""
+    """A script's own flags, on a (pretended) GPU: the plan's line is printed, and too small a GPU
+    refuses it."""
     import grpo
 
     args = grpo.Args(model=tiny_model, colocate=True)
     grpo.validate_args(args)
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "80")
     assert memory.check_run(args, True, tiny_model, reference=False) is False
-    assert re.fullmatch(r"memory plan: GPU 0 generating needs 33\.1 GiB of 80 \(.*\): fits\n", capsys.readouterr().out)
+    assert re.fullmatch(
+        r"memory plan: GPU 0 generating needs 33\.1 GiB of 80 \(.*\): fits\n",
+        capsys.readouterr().out,
+    )
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "1")
     with pytest.raises(SystemExit, match="^error: memory plan: GPU 0 .* of 1 "):
         memory.check_run(args, True, tiny_model, reference=False)
-    assert memory.check_run(args, False, tiny_model, reference=False) is False  # CPU: nothing planned
+    assert (
+        memory.check_run(args, False, tiny_model, reference=False) is False
+    )  # CPU: nothing planned
     assert capsys.readouterr().out == ""
 
 
 def test_a_parked_model_trains_on_as_before(one_rank_group, tiny_model):
-    """to_host / to_device around a step (here host to host: the round trip's bookkeeping, the GPU tier moves real
-    memory) leave FSDP2's shards and AdamW's references intact: the next steps equal those of a model never moved."""
+    """to_host / to_device around a step (here host to host: the round trip's bookkeeping, the GPU
+    tier moves real memory) leave FSDP2's shards and AdamW's references intact: the next steps equal
+    those of a model never moved."""
     import torch.distributed as dist
 
     import grpo
@@ -147,8 +177,9 @@ def test_a_parked_model_trains_on_as_before(one_rank_group, tiny_model):
 
 @pytest.mark.gpu
 def test_a_parked_model_gives_its_gpu_memory_back(one_rank_group, tiny_model):
-    """On the GPU: to_host frees the weights' and AdamW's memory (all but a few MiB of it), to_device brings it back
-    and training goes on exactly as without the round trip (same seed, same losses)."""
+    """On the GPU: to_host frees the weights' and AdamW's memory (all but a few MiB of it),
+    to_device brings it back and training goes on exactly as without the round trip (same seed, same
+    losses)."""
     import torch.distributed as dist
 
     import grpo
@@ -172,7 +203,9 @@ def test_a_parked_model_gives_its_gpu_memory_back(one_rank_group, tiny_model):
             if moved:
                 held = torch.cuda.memory_allocated()
                 memory.to_host(model, optimizer)
-                states = sum(p.numel() for p in model.parameters()) * 12  # fp32 weights + AdamW's two moments
+                states = (
+                    sum(p.numel() for p in model.parameters()) * 12
+                )  # fp32 weights + AdamW's two moments
                 assert held - torch.cuda.memory_allocated() >= 0.9 * states
                 memory.to_device(model, optimizer, torch.device("cuda", 0))
         del model, optimizer

@@ -1,11 +1,13 @@
-"""GPU and multi-node placements, proven on a CPU machine: Ray's logical GPUs and a simulated cluster.
+"""GPU and multi-node placements, proven on a CPU machine: Ray's logical GPUs and a simulated
+cluster.
 
-What each script picks on 1, 2 and 8 GPUs comes from the scripts' own checks; stand-in actors (no CUDA, no
-model) are then placed with the scripts' own calls (Layout, make_placement_group, spawn_trainers, spawn_engines),
-as each script would place its trainers, critics, engines and reward model. Each layout must be scheduled within
-a minute (an actor that Ray cannot place waits forever), every actor on its bundle's node with the GPU share
-meant for it, colocated actors on one GPU and the others on GPUs of their own; an actor without a GPU must not
-see any (Ray 2.60 no longer hides the node's GPUs from it).
+What each script picks on 1, 2 and 8 GPUs comes from the scripts' own checks; stand-in actors (no
+CUDA, no model) are then placed with the scripts' own calls (Layout, make_placement_group,
+spawn_trainers, spawn_engines), as each script would place its trainers, critics, engines and reward
+model. Each layout must be scheduled within a minute (an actor that Ray cannot place waits forever),
+every actor on its bundle's node with the GPU share meant for it, colocated actors on one GPU and
+the others on GPUs of their own; an actor without a GPU must not see any (Ray 2.60 no longer hides
+the node's GPUs from it).
 """
 
 import importlib
@@ -21,9 +23,17 @@ from ray.util.placement_group import placement_group_table
 
 from common import placement
 from common.engines import spawn_engines
-from common.placement import Layout, choose_layout, make_placement_group, spawn_trainers, wait_started
+from common.placement import (
+    Layout,
+    choose_layout,
+    make_placement_group,
+    spawn_trainers,
+    wait_started,
+)
 
-TESTS_ON_PATH = {"env_vars": {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}}  # stand-ins
+TESTS_ON_PATH = {
+    "env_vars": {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+}  # stand-ins
 SCHEDULE_S = 60  # generous for starting a dozen worker processes on 2 cores; an unschedulable actor never starts
 
 
@@ -72,7 +82,9 @@ def place(layout: Layout, tp: int = 1, use_gpu: bool = True) -> dict[str, list[t
             use_gpu=use_gpu, engine_cls=RemoteEngine,
         )  # fmt: skip
     if layout.reward_model:
-        actors["reward_model"] = [ray.remote(StandIn).options(**layout.reward_model.options(pg)).remote()]
+        actors["reward_model"] = [
+            ray.remote(StandIn).options(**layout.reward_model.options(pg)).remote()
+        ]
         wait_started(actors["reward_model"])
     slots = {"trainer": layout.trainers, "critic": layout.critics, "engine": layout.engines}
     slots["reward_model"] = [layout.reward_model]
@@ -83,13 +95,22 @@ def place(layout: Layout, tp: int = 1, use_gpu: bool = True) -> dict[str, list[t
     nodes = placement_group_table(pg)["bundles_to_node_id"]
     for role, group in placed.items():
         for slot, where in group:
-            assert where["node"] == nodes[slot.bundle], f"{role} on bundle {slot.bundle} is not on that bundle's node"
-            assert len(where["gpu_ids"]) == (max(1, int(where["gpus"])) if use_gpu else 0), (role, where)
+            assert where["node"] == nodes[slot.bundle], (
+                f"{role} on bundle {slot.bundle} is not on that bundle's node"
+            )
+            assert len(where["gpu_ids"]) == (max(1, int(where["gpus"])) if use_gpu else 0), (
+                role,
+                where,
+            )
     by_bundle: dict[int, set] = {}
     for group in placed.values():
         for slot, where in group:
-            by_bundle.setdefault(slot.bundle, set()).add((where["node"], tuple(sorted(where["gpu_ids"]))))
-    assert all(len(gpus) == 1 for gpus in by_bundle.values()), f"actors of one bundle on different GPUs: {by_bundle}"
+            by_bundle.setdefault(slot.bundle, set()).add(
+                (where["node"], tuple(sorted(where["gpu_ids"])))
+            )
+    assert all(len(gpus) == 1 for gpus in by_bundle.values()), (
+        f"actors of one bundle on different GPUs: {by_bundle}"
+    )
     used = [(node, g) for gpus in by_bundle.values() for node, ids in gpus for g in ids]
     assert len(used) == len(set(used)), f"two bundles share a GPU: {by_bundle}"
     for group in actors.values():
@@ -110,15 +131,22 @@ def short_start_timeout(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def gpus_are_logical(monkeypatch):
-    """The test command hides CUDA (CUDA_VISIBLE_DEVICES=""), and Ray refuses logical GPUs beside an empty
-    CUDA_VISIBLE_DEVICES; the stand-ins never touch CUDA, so the variable can go."""
+    """The test command hides CUDA (CUDA_VISIBLE_DEVICES=""), and Ray refuses logical GPUs beside an
+    empty CUDA_VISIBLE_DEVICES; the stand-ins never touch CUDA, so the variable can go."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
 @pytest.fixture(scope="module")
 def logical_gpus():
     hidden = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # see gpus_are_logical
-    ray.init(num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR", runtime_env=TESTS_ON_PATH)
+    ray.shutdown()  # the session's CPU instance (conftest.start_ray_cpu), if it runs
+    ray.init(
+        num_cpus=16,
+        num_gpus=8,
+        include_dashboard=False,
+        logging_level="ERROR",
+        runtime_env=TESTS_ON_PATH,
+    )
     yield
     ray.shutdown()
     if hidden is not None:
@@ -126,7 +154,8 @@ def logical_gpus():
 
 
 def test_one_gpu_colocated(logical_gpus):
-    """grpo.py --colocate on 1 GPU: trainer and engine share bundle 0; the engine asks for no CPU."""
+    """grpo.py --colocate on 1 GPU: trainer and engine share bundle 0; the engine asks for no
+    CPU."""
     placed = place(Layout(True, trainers=1, engines=1, colocate=True))
     assert shares(placed, "trainer") == [(0, 0.5, 1.0)]
     assert shares(placed, "engine") == [(0, 0.5, 0.0)]
@@ -134,20 +163,27 @@ def test_one_gpu_colocated(logical_gpus):
 
 
 def test_actors_without_a_gpu_see_no_cuda(logical_gpus):
-    """A CPU layout on a machine with GPUs (8 logical ones here): every actor gets CUDA_VISIBLE_DEVICES="" so
-    torch, NCCL and vLLM cannot pick cuda:0; an actor with a GPU sees exactly its own."""
+    """A CPU layout on a machine with GPUs (8 logical ones here): every actor gets
+    CUDA_VISIBLE_DEVICES="" so torch, NCCL and vLLM cannot pick cuda:0; an actor with a GPU sees
+    exactly its own."""
     placed = place(Layout(False, trainers=2, engines=1), use_gpu=False)
     for role in ("trainer", "engine"):
-        assert [where["cuda_visible"] for _, where in placed[role]] == [""] * len(placed[role]), role
+        assert [where["cuda_visible"] for _, where in placed[role]] == [""] * len(placed[role]), (
+            role
+        )
     placed = place(Layout(True, trainers=2, engines=1))
     for role in ("trainer", "engine"):
         for _, where in placed[role]:
-            assert where["cuda_visible"] == ",".join(map(str, where["gpu_ids"])) != "", (role, where)
+            assert where["cuda_visible"] == ",".join(map(str, where["gpu_ids"])) != "", (
+                role,
+                where,
+            )
 
 
 def test_two_gpus_split(logical_gpus, monkeypatch):
-    """Also: the engines log vLLM's warnings through the project's logging config, and the driver's VLLM_*
-    settings reach them (the documented fallback to vLLM's previous model runner among them)."""
+    """Also: the engines log vLLM's warnings through the project's logging config, and the driver's
+    VLLM_* settings reach them (the documented fallback to vLLM's previous model runner among
+    them)."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     placed = place(Layout(True, trainers=1, engines=1))
     assert shares(placed, "trainer") == [(0, 1.0, 1.0)]
@@ -164,16 +200,22 @@ def test_eight_gpus_four_trainers_two_tp2_engines(logical_gpus):
 
 
 def test_ppo_critics_and_reward_model_apart(logical_gpus):
-    """ppo.py on GPUs of their own: policy ranks, critic ranks, engines, then the reward model on the last GPU."""
-    placed = place(Layout(True, trainers=2, engines=1, engine_tp=2, critics=2, reward_model=True), tp=2)
+    """ppo.py on GPUs of their own: policy ranks, critic ranks, engines, then the reward model on
+    the last GPU."""
+    placed = place(
+        Layout(True, trainers=2, engines=1, engine_tp=2, critics=2, reward_model=True), tp=2
+    )
     assert shares(placed, "trainer") == [(0, 1.0, 1.0), (1, 1.0, 1.0)]
     assert shares(placed, "critic") == [(2, 1.0, 1.0), (3, 1.0, 1.0)]
-    assert shares(placed, "engine") == [(4, 2.0, 1.0)] and shares(placed, "reward_model") == [(5, 1.0, 1.0)]
+    assert shares(placed, "engine") == [(4, 2.0, 1.0)] and shares(placed, "reward_model") == [
+        (5, 1.0, 1.0)
+    ]
 
 
 def test_ppo_hybrid_engine_on_two_gpus(logical_gpus):
-    """ppo.py --colocate: policy rank i, critic rank i and engine i on GPU i, the reward model on GPU 0 too; each
-    asks for an equal share of its GPU and only the policy rank for the bundle's CPU."""
+    """ppo.py --colocate: policy rank i, critic rank i and engine i on GPU i, the reward model on
+    GPU 0 too; each asks for an equal share of its GPU and only the policy rank for the bundle's
+    CPU."""
     placed = place(Layout(True, trainers=2, engines=2, colocate=True, critics=2, reward_model=True))
     assert shares(placed, "trainer") == [(0, 0.25, 1.0), (1, 0.3333, 1.0)]
     assert shares(placed, "critic") == [(0, 0.25, 0.0), (1, 0.3333, 0.0)]
@@ -195,20 +237,27 @@ class CrashingEngine(StandIn):
 
 
 def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
-    """Nothing may rendezvous with an engine still loading: spawn_engines waits, and names one that crashed."""
+    """Nothing may rendezvous with an engine still loading: spawn_engines waits, and names one that
+    crashed."""
     layout = Layout(True, trainers=1, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=True)
-    options = dict(model_path="model", seed=0, backend="nccl", tp=1, max_model_len=64, memory=0.4, use_gpu=True)
+    options = dict(
+        model_path="model", seed=0, backend="nccl", tp=1, max_model_len=64, memory=0.4, use_gpu=True
+    )
     engines = spawn_engines(pg, layout.engines, **options, engine_cls=ray.remote(SlowEngine))
     returned_at = time.time()
     assert ray.get(engines[0].where.remote())["started_at"] <= returned_at
     ray.kill(engines[0])
-    with pytest.raises(SystemExit, match=r"^error: CrashingEngine#0 died during start-up: .*stand-in failed to start"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: CrashingEngine#0 died during start-up: .*stand-in failed to start",
+    ):
         spawn_engines(pg, layout.engines, **options, engine_cls=ray.remote(CrashingEngine))
     ray.util.remove_placement_group(pg)
 
 
-# What each script does with its default flags on 1, 2 and 8 GPUs: True colocated, False apart, or its error.
+# What each script does with its default flags on 1, 2 and 8 GPUs: True colocated, False apart, or
+# its error.
 PICKS = {
     "sft": {1: False, 2: False, 8: False}, "rm": {1: False, 2: False, 8: False}, "dpo": {1: False, 2: False, 8: False},
     "grpo": {1: True, 2: False, 8: False}, "dapo": {1: True, 2: False, 8: False},
@@ -219,8 +268,8 @@ PICKS = {
 
 
 def script_layout(name: str, args, gpus: int, monkeypatch) -> Layout:
-    """The script's own decision (its check_machine, or main's choose_layout call for sft/rm/dpo) on `gpus` GPUs,
-    as the Layout it would place."""
+    """The script's own decision (its check_machine, or main's choose_layout call for sft/rm/dpo) on
+    `gpus` GPUs, as the Layout it would place."""
     module = importlib.import_module(name)
     monkeypatch.setattr(placement, "count_gpus", lambda: (gpus, "this machine"))
     module.validate_args(args)
@@ -230,15 +279,19 @@ def script_layout(name: str, args, gpus: int, monkeypatch) -> Layout:
         use_gpu, _ = placement.choose_layout(args.num_trainers, None, False)
     assert use_gpu
     engines = getattr(args, "num_engines", 0)
-    critics, reward_model = getattr(args, "num_critics", 0), getattr(args, "reward_model", None) is not None
+    critics, reward_model = (
+        getattr(args, "num_critics", 0),
+        getattr(args, "reward_model", None) is not None,
+    )
     return Layout(True, args.num_trainers, engines, getattr(args, "engine_tp", 1), getattr(args, "colocate", False),
                   critics, reward_model)  # fmt: skip
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_what_each_script_picks_on_1_2_and_8_gpus(monkeypatch, capsys, tmp_path, gpus):
-    """Default flags: with too few GPUs to give every actor its own, the RL scripts colocate (ppo.py: the hybrid
-    engine) and say so in one line; grpo_async.py, which cannot share, is refused with one line saying why."""
+    """Default flags: with too few GPUs to give every actor its own, the RL scripts colocate
+    (ppo.py: the hybrid engine) and say so in one line; grpo_async.py, which cannot share, is
+    refused with one line saying why."""
     for name, picks in PICKS.items():
         args = importlib.import_module(name).Args(output_dir=str(tmp_path))
         if isinstance(picks[gpus], str):
@@ -250,7 +303,10 @@ def test_what_each_script_picks_on_1_2_and_8_gpus(monkeypatch, capsys, tmp_path,
         line = capsys.readouterr().out.strip()
         assert getattr(args, "colocate", False) is picks[gpus], name
         if picks[gpus]:
-            assert line == f"layout: colocated on 1 GPU: this machine has {gpus}, too few to give every actor its own"
+            assert (
+                line
+                == f"layout: colocated on 1 GPU: this machine has {gpus}, too few to give every actor its own"
+            )
             assert layout.bundles == [1]
         else:
             assert line.startswith("layout: ") and "own" in line, (name, line)
@@ -258,14 +314,23 @@ def test_what_each_script_picks_on_1_2_and_8_gpus(monkeypatch, capsys, tmp_path,
 
 
 def test_one_gpu_places_every_script(monkeypatch, tmp_path):
-    """On a Ray instance with exactly one (logical) GPU, every script's default layout is scheduled: grpo/dapo
-    colocated, ppo.py's hybrid engine with and without a reward model, sft/rm/dpo on the GPU."""
+    """On a Ray instance with exactly one (logical) GPU, every script's default layout is scheduled:
+    grpo/dapo colocated, ppo.py's hybrid engine with and without a reward model, sft/rm/dpo on the
+    GPU."""
     ray.shutdown()
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, logging_level="ERROR", runtime_env=TESTS_ON_PATH)
+    ray.init(
+        num_cpus=8,
+        num_gpus=1,
+        include_dashboard=False,
+        logging_level="ERROR",
+        runtime_env=TESTS_ON_PATH,
+    )
     try:
         for name in ("sft", "rm", "dpo", "grpo", "dapo", "ppo", "ppo+rm"):
             module = importlib.import_module(name.split("+")[0])
-            args = module.Args(output_dir=str(tmp_path), **({"reward_model": "rm"} if "+rm" in name else {}))
+            args = module.Args(
+                output_dir=str(tmp_path), **({"reward_model": "rm"} if "+rm" in name else {})
+            )
             placed = place(script_layout(module.__name__, args, 1, monkeypatch))
             gpus = {tuple(where["gpu_ids"]) for group in placed.values() for _, where in group}
             assert gpus == {(0,)}, (name, gpus)
@@ -275,16 +340,21 @@ def test_one_gpu_places_every_script(monkeypatch, tmp_path):
 
 
 def test_two_nodes_of_eight_gpus(monkeypatch):
-    """8 trainer ranks and 4 engines of TP 2 over two simulated 8-GPU nodes, joined as the scripts join a cluster."""
+    """8 trainer ranks and 4 engines of TP 2 over two simulated 8-GPU nodes, joined as the scripts
+    join a cluster."""
     ray.shutdown()  # the logical-GPU instance of the tests above
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 8})
     cluster.add_node(num_cpus=8, num_gpus=8)
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))  # init_ray adds it for the actors: the stand-ins
+    monkeypatch.setenv(
+        "PYTHONPATH", os.path.join(REPO, "tests")
+    )  # init_ray adds it for the actors: the stand-ins
     try:
         # The driver's machine shows no GPU (like a KubeRay head pod): the cluster's GPUs decide.
         assert choose_layout(16, None, False) == (True, False)
-        with pytest.raises(SystemExit, match=r"^error: this job needs 17 GPUs but the Ray cluster at .* has 16$"):
+        with pytest.raises(
+            SystemExit, match=r"^error: this job needs 17 GPUs but the Ray cluster at .* has 16$"
+        ):
             choose_layout(17, None, False)
         placed = place(Layout(True, trainers=8, engines=4, engine_tp=2), tp=2)
         nodes = {where["node"] for group in placed.values() for _, where in group}
@@ -297,22 +367,30 @@ def test_two_nodes_of_eight_gpus(monkeypatch):
 
 @pytest.mark.cpu_engine("a simulated cluster of CPU nodes runs CPU engines")
 def test_grpo_on_two_nodes_trainer_and_engine_apart(tiny_model, tmp_path):
-    """grpo.py joins a running cluster through RAY_ADDRESS. Each simulated node has one CPU, so its trainer and
-    its engine must land on different nodes; the weights then travel between nodes, and the rendezvous
-    address comes from trainer rank 0's node."""
+    """grpo.py joins a running cluster through RAY_ADDRESS. Each simulated node has one CPU, so its
+    trainer and its engine must land on different nodes; the weights then travel between nodes, and
+    the rendezvous address comes from trainer rank 0's node."""
     ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
     cluster.add_node(num_cpus=1)
     try:
         flags = ("--model", tiny_model, "--output-dir", str(tmp_path), "--num-generations", "4", "--prompts-per-step",
                  "4", "--max-response-length", "8", "--engine-memory", "0.25", "--num-steps", "2")  # fmt: skip
         result = run_script("grpo.py", *flags, env={"RAY_ADDRESS": cluster.address})
         assert result.returncode == 0, result.stderr[-3000:]
-        line = next(x for x in result.stdout.splitlines() if x.startswith("placement: bundle -> node: "))
+        line = next(
+            x for x in result.stdout.splitlines() if x.startswith("placement: bundle -> node: ")
+        )
         nodes = [part.split(": ")[1].split()[0] for part in line.split("node: ", 1)[1].split(", ")]
-        assert len(nodes) == 2 and nodes[0] != nodes[1], line  # bundle 0: the trainer, bundle 1: the engine
+        assert len(nodes) == 2 and nodes[0] != nodes[1], (
+            line
+        )  # bundle 0: the trainer, bundle 1: the engine
         rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
         assert [r["step"] for r in rows] == [0, 1, 2]
-        assert rows[-1]["train/logprob_diff_max"] < 1e-4  # step 2 sampled with the weights sent across nodes
+        assert (
+            rows[-1]["train/logprob_diff_max"] < 1e-4
+        )  # step 2 sampled with the weights sent across nodes
     finally:
         cluster.shutdown()

@@ -1,5 +1,6 @@
-"""ppo.py: GAE against a plain per-token loop, the per-token reward, value clipping, whitening, the adaptive β and
-the critic's head, by hand; end-to-end runs with the rule verifier and with a reward model."""
+"""ppo.py: GAE against a plain per-token loop, the per-token reward, value clipping, whitening, the
+adaptive β and the critic's head, by hand; end-to-end runs with the rule verifier and with a reward
+model."""
 
 import math
 import os
@@ -7,7 +8,14 @@ import re
 
 import pytest
 import torch
-from conftest import TOLERANCE, assert_resume_is_exact, only_run_dir, parity_reward, read_jsonl, run_script
+from conftest import (
+    TOLERANCE,
+    assert_resume_is_exact,
+    only_run_dir,
+    parity_reward,
+    read_jsonl,
+    run_script,
+)
 
 import ppo
 
@@ -33,7 +41,9 @@ def test_gae_matches_plain_loop(gamma, lam):
     logprobs, ref_logprobs = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
     rewards, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
     values = torch.randn(B, T, generator=g)
-    garbage = torch.randn(B, T, generator=g) * 100 * (1 - mask)  # padding must not leak into real tokens
+    garbage = (
+        torch.randn(B, T, generator=g) * 100 * (1 - mask)
+    )  # padding must not leak into real tokens
     advantages, returns = ppo.compute_gae(rewards + garbage, values + garbage, mask, gamma, lam)
     for i, n in enumerate(lengths):
         r = [-0.1 * (logprobs[i, t] - ref_logprobs[i, t]).item() for t in range(n)]
@@ -42,7 +52,9 @@ def test_gae_matches_plain_loop(gamma, lam):
         want_adv, want_ret = gae_reference(r, values[i, :n].tolist(), gamma, lam)
         torch.testing.assert_close(advantages[i, :n], torch.tensor(want_adv))
         torch.testing.assert_close(returns[i, :n], torch.tensor(want_ret))
-        assert torch.equal(advantages[i, n:], torch.zeros(T - n)) and torch.equal(returns[i, n:], torch.zeros(T - n))
+        assert torch.equal(advantages[i, n:], torch.zeros(T - n)) and torch.equal(
+            returns[i, n:], torch.zeros(T - n)
+        )
 
 
 def test_gae_by_hand():
@@ -62,11 +74,14 @@ def test_value_clipping_by_hand():
     values = torch.tensor([0.5, 0.1, 0.5, 1.5])
     returns = torch.tensor([1.0, 1.0, 0.0, 2.0])
     loss, clipped = ppo.compute_value_loss(values, old, returns, value_clip_eps=0.2)
-    # clipped values: 0.2, 0.1, 0.8, 1.2; squared errors unclipped 0.25, 0.81, 0.25, 0.25; clipped 0.64, 0.81, 0.64, 0.64
+    # clipped values: 0.2, 0.1, 0.8, 1.2; squared errors unclipped 0.25, 0.81, 0.25, 0.25; clipped
+    # 0.64, 0.81, 0.64, 0.64
     torch.testing.assert_close(loss, 0.5 * torch.tensor([0.64, 0.81, 0.64, 0.64]))
     assert clipped.tolist() == [True, False, True, True]
     # moving toward the return inside the clip range: the plain loss
-    loss, clipped = ppo.compute_value_loss(torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([0.0]), 0.2)
+    loss, clipped = ppo.compute_value_loss(
+        torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([0.0]), 0.2
+    )
     torch.testing.assert_close(loss, torch.tensor([0.405]))
     assert not clipped.item()
 
@@ -83,10 +98,16 @@ def test_whitening_by_hand():
 
 def test_adaptive_kl_controller_by_hand():
     # KL 3 vs target 2: error clipped to +0.2; β ← 0.1 (1 + 0.2 * 100 / 1000) = 0.102
-    assert ppo.update_kl_coef(0.1, kl=3.0, target=2.0, horizon=1000, num_responses=100) == pytest.approx(0.102)
+    assert ppo.update_kl_coef(
+        0.1, kl=3.0, target=2.0, horizon=1000, num_responses=100
+    ) == pytest.approx(0.102)
     # KL 1.8 vs target 2: error -0.1; β ← 0.1 (1 - 0.1 * 50 / 100) = 0.095
-    assert ppo.update_kl_coef(0.1, kl=1.8, target=2.0, horizon=100, num_responses=50) == pytest.approx(0.095)
-    assert ppo.update_kl_coef(0.1, kl=0.0, target=2.0, horizon=10, num_responses=10) == pytest.approx(0.08)
+    assert ppo.update_kl_coef(
+        0.1, kl=1.8, target=2.0, horizon=100, num_responses=50
+    ) == pytest.approx(0.095)
+    assert ppo.update_kl_coef(
+        0.1, kl=0.0, target=2.0, horizon=10, num_responses=10
+    ) == pytest.approx(0.08)
 
 
 def test_critic_starts_at_zero_and_reads_every_token(tiny_model):
@@ -97,12 +118,16 @@ def test_critic_starts_at_zero_and_reads_every_token(tiny_model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)  # for fully_shard
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )  # for fully_shard
     critic = ppo.load_critic(tiny_model, torch.device("cpu"), False, pad_token_id=0)
     seq = ppo.make_sequence([5, 6, 7], [8, 9], seq_id=[3, 3])
     ids, mask = torch.tensor([seq["input_ids"]]), torch.tensor([seq["loss_mask"]])
     values = ppo.compute_values(critic, ids, torch.arange(5)[None], mask)
-    assert values.shape == (2,) and torch.equal(values, torch.zeros(2))  # a new head starts at V = 0
+    assert values.shape == (2,) and torch.equal(
+        values, torch.zeros(2)
+    )  # a new head starts at V = 0
     with torch.no_grad():
         critic.score.weight.normal_()
     values = ppo.compute_values(critic, ids, torch.arange(5)[None], mask)
@@ -115,25 +140,44 @@ def ppo_args(model, out, *extra):
             "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
 
 
-@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
-def test_ppo_end_to_end_with_verifier_resumes_exactly(tiny_model, tmp_path):
-    extra = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16", "--save-every", "1")
-    extra += ("--reward-fn", parity_reward(tmp_path))  # rewards that depend on what was sampled
-    result = run_script("ppo.py", *ppo_args(tiny_model, tmp_path / "runs", *extra))
+VERIFIER_RUN = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16", "--save-every", "1")
+
+
+@pytest.fixture(scope="module")
+def verifier_run(tiny_model, tmp_path_factory):
+    """One ppo.py run with the rule verifier replaced by a reward that depends on what was sampled
+    (the parity of the response's length: a random tiny model never solves the task, and all-zero
+    rewards would make every advantage, loss and gradient 0). Two tests read it."""
+    tmp = tmp_path_factory.mktemp("ppo")
+    flags = ppo_args(tiny_model, tmp / "runs", *VERIFIER_RUN, "--reward-fn", parity_reward(tmp))
+    result = run_script("ppo.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = only_run_dir(tmp_path / "runs")
+    return flags, only_run_dir(tmp / "runs")
+
+
+@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
+def test_ppo_end_to_end_with_verifier_resumes_exactly(verifier_run):
+    flags, run_dir = verifier_run
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    assert (
+        [r["step"] for r in rows] == [0, 1, 2]
+        and "eval/accuracy" in rows[0]
+        and "eval/accuracy" in rows[-1]
+    )
     for key in ("train/policy_loss", "train/value_loss", "train/clipfrac", "train/approx_kl", "train/kl",
                 "train/explained_variance", "rollout/reward", "time/step", "perf/train_tokens_per_s"):  # fmt: skip
         assert key in rows[1] and key in rows[2], key
-    assert rows[2]["train/logprob_diff_max"] < 1e-3  # step 2 sampled from the weights pushed after step 1
+    assert (
+        rows[2]["train/logprob_diff_max"] < 1e-3
+    )  # step 2 sampled from the weights pushed after step 1
     assert rows[1]["train/kl"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the reference
-    assert rows[1]["train/kl_coef"] == 0.01 and rows[2]["train/kl_coef"] == pytest.approx(0.01 * (1 - 0.2 * 8 / 16))
+    assert rows[1]["train/kl_coef"] == 0.01 and rows[2]["train/kl_coef"] == pytest.approx(
+        0.01 * (1 - 0.2 * 8 / 16)
+    )
     assert read_jsonl(os.path.join(run_dir, "samples.jsonl"))
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "config.json"))
     # β adapted so far comes back from ppo_state.json; sampling is seeded per step and prompt
-    assert_resume_is_exact("ppo.py", ppo_args(tiny_model, tmp_path / "runs", *extra), run_dir)
+    assert_resume_is_exact("ppo.py", flags, run_dir)
 
 
 @pytest.mark.engine  # on one GPU: the hybrid engine, reward model included
@@ -149,7 +193,9 @@ def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
     LlamaForSequenceClassification(config).save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
     out = tmp_path / "runs"
-    result = run_script("ppo.py", *ppo_args(tiny_model, out, "--num-steps", "1", "--reward-model", str(rm_dir)))
+    result = run_script(
+        "ppo.py", *ppo_args(tiny_model, out, "--num-steps", "1", "--reward-model", str(rm_dir))
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(os.path.join(only_run_dir(out), "metrics.jsonl"))
     # a random reward model gives real-valued scores, not the verifier's 0/1
@@ -158,30 +204,37 @@ def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
 
 
 @pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
-def test_sp2_matches_one_rank(tiny_model, tmp_path):
-    # --sp-size 2: the policy and the critic each split every row over 2 ranks with ring attention. The runs see
-    # the same rollouts (same start weights, same engine seed), so values, GAE, losses and updates must agree.
-    # A random tiny model never solves the task, so a reward function scores the response's length instead:
-    # with all-zero rewards every advantage, loss and gradient would be 0 and the comparison empty.
-    (tmp_path / "length_reward.py").write_text("def reward(response, answer):\n    return len(response) % 5 / 4\n")
-    rows = {}
-    for name, extra in (("one", ()), ("sp2", ("--num-trainers", "2", "--num-critics", "2", "--sp-size", "2"))):
-        extra += ("--num-steps", "2", "--eval-dataset", "", "--reward-fn", f"{tmp_path / 'length_reward.py'}:reward")
-        result = run_script("ppo.py", *ppo_args(tiny_model, tmp_path / name, *extra))
-        assert result.returncode == 0, result.stderr[-3000:]
-        rows[name] = read_jsonl(os.path.join(only_run_dir(tmp_path / name), "metrics.jsonl"))
-    assert [r["step"] for r in rows["sp2"]] == [1, 2]
-    for one, sp2 in zip(rows["one"], rows["sp2"]):
+def test_sp2_matches_one_rank(verifier_run, tiny_model, tmp_path):
+    # --sp-size 2: the policy and the critic each split every row over 2 ranks with ring attention.
+    # The runs see the same rollouts (same start weights, same engine seed), so values, GAE, losses
+    # and updates must agree.
+    flags, run_dir = verifier_run
+    sp2 = ("--num-trainers", "2", "--num-critics", "2", "--sp-size", "2", "--save-every", "0")
+    result = run_script("ppo.py", *flags[: flags.index("--output-dir")], *flags[flags.index("--output-dir") + 2 :],
+                        "--output-dir", str(tmp_path / "sp2"), *sp2)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {"one": read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
+    rows["sp2"] = read_jsonl(os.path.join(only_run_dir(tmp_path / "sp2"), "metrics.jsonl"))
+    assert [r["step"] for r in rows["sp2"]] == [0, 1, 2]
+    for one, sp2 in zip(rows["one"][1:], rows["sp2"][1:]):
         for key in ("rollout/reward", "rollout/value_mean", "rollout/return_mean", "train/policy_loss",
-                    "train/value_loss", "train/approx_kl", "train/kl", "train/grad_norm", "train/critic_grad_norm"):  # fmt: skip
+                    "train/value_loss", "train/approx_kl", "train/kl", "train/grad_norm", "train/critic_grad_norm",
+                    "train/kl_coef"):  # fmt: skip
             assert sp2[key] == pytest.approx(one[key], abs=1e-4), (one["step"], key)
-    first, second = rows["one"]
-    assert first["train/grad_norm"] > 1e-3 and first["train/critic_grad_norm"] > 1e-3 and first["train/value_loss"] > 0
-    assert abs(second["rollout/value_mean"]) > 1e-4  # step 2's values come from the trained critic, not its zero head
+    first, second = rows["one"][1:]
+    assert (
+        first["train/grad_norm"] > 1e-3
+        and first["train/critic_grad_norm"] > 1e-3
+        and first["train/value_loss"] > 0
+    )
+    assert (
+        abs(second["rollout/value_mean"]) > 1e-4
+    )  # step 2's values come from the trained critic, not its zero head
 
 
-# GPU tier: the hybrid engine on one GPU, chosen by default there: policy + reference, critic, reward model and
-# the engine share GPU 0 (CUDA IPC weight sync, vLLM asleep while the models train). bf16 on both sides.
+# GPU tier: the hybrid engine on one GPU, chosen by default there: policy + reference, critic,
+# reward model and the engine share GPU 0 (CUDA IPC weight sync, vLLM asleep while the models
+# train). bf16 on both sides.
 @pytest.mark.gpu
 def test_ppo_hybrid_on_one_gpu(tiny_model, tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -192,43 +245,70 @@ def test_ppo_hybrid_on_one_gpu(tiny_model, tokenizer, tmp_path):
     )  # fmt: skip
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    flags = ppo_args(tiny_model, tmp_path / "runs", "--num-steps", "2", "--reward-model", str(tmp_path / "rm"))
+    flags = ppo_args(
+        tiny_model, tmp_path / "runs", "--num-steps", "2", "--reward-model", str(tmp_path / "rm")
+    )
     result = run_script("ppo.py", *flags, timeout=1800, env={"CUDA_VISIBLE_DEVICES": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "layout: colocated on 1 GPU: this machine has 1, too few to give every actor its own" in result.stdout
+    assert (
+        "layout: colocated on 1 GPU: this machine has 1, too few to give every actor its own"
+        in result.stdout
+    )
     assert re.search(r"^memory plan: GPU 0 .*: fits", result.stdout, re.M), result.stdout[-2000:]
     rows = read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[2]["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"]  # sampled by the weights pushed at step 1
+    assert (
+        rows[2]["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"]
+    )  # sampled by the weights pushed at step 1
 
 
 def test_policy_and_critic_losses_by_hand():
     args = ppo.Args(clip_eps=0.2, value_clip_eps=0.2)
-    old = torch.zeros(3)
-    logprobs = torch.log(torch.tensor([1.5, 1.0, 0.5]))  # ratios 1.5 (clipped to 1.2), 1.0, 0.5 (clipped to 0.8)
-    adv, weights = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([0.5, 0.25, 0.25])
-    loss, stats = ppo.compute_loss(logprobs, old, adv, weights, args)
-    assert loss.item() == pytest.approx(0.5 * -1.2 + 0.25 * -2.0 + 0.25 * 0.8)  # no TIS weight in ppo.py
+    logprobs = torch.log(
+        torch.tensor([1.5, 1.0, 0.5])
+    )  # ratios 1.5 (clipped to 1.2), 1.0, 0.5 (clipped to 0.8)
+    values = {"old_logprobs": torch.zeros(3), "advantages": torch.tensor([1.0, 2.0, -1.0]),
+              "loss_weights": torch.tensor([0.5, 0.25, 0.25])}  # fmt: skip
+    loss, stats = ppo.compute_loss(logprobs, values, args)
+    assert loss.item() == pytest.approx(
+        0.5 * -1.2 + 0.25 * -2.0 + 0.25 * 0.8
+    )  # no TIS weight in ppo.py
     assert stats["clipped_tokens"].item() == 2
     r = torch.tensor([1.5, 1.0, 0.5])  # k3 of KL(π_θold‖π_θ): (ρ - 1) - log ρ per token
-    assert stats["approx_kl_sum"].item() == pytest.approx(((r - 1) - torch.log(r)).sum().item(), rel=1e-5)
-    values, old_values, returns = torch.tensor([0.5, 1.5]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 2.0])
-    loss, stats = ppo.compute_critic_loss(values, old_values, returns, torch.tensor([0.5, 0.5]), args)
+    assert stats["approx_kl_sum"].item() == pytest.approx(
+        ((r - 1) - torch.log(r)).sum().item(), rel=1e-5
+    )
+    predicted = torch.tensor([0.5, 1.5])
+    values = {"old_values": torch.tensor([0.0, 1.0]), "returns": torch.tensor([1.0, 2.0]),
+              "loss_weights": torch.tensor([0.5, 0.5])}  # fmt: skip
+    loss, stats = ppo.compute_critic_loss(predicted, values, args)
     # both clipped to 0.2 and 1.2: 0.5 * max(0.25, 0.64) and 0.5 * max(0.25, 0.64)
-    assert loss.item() == pytest.approx(0.5 * 0.32 + 0.5 * 0.32) and stats["value_clipped_tokens"].item() == 2
+    assert (
+        loss.item() == pytest.approx(0.5 * 0.32 + 0.5 * 0.32)
+        and stats["value_clipped_tokens"].item() == 2
+    )
 
 
 def test_minibatches_are_packed_once_and_filled_by_token():
-    """plan_minibatches packs the step's sequences once (the forward passes and training share them);
-    fill_token_values puts each (B, T) value at its response token, whatever the packing and the ranks."""
+    """plan_minibatches packs the step's sequences once (the forward passes and training share
+    them); fill_token_values puts each (B, T) value at its response token, whatever the packing and
+    the ranks."""
     args = ppo.Args(
-        samples_per_prompt=2, num_minibatches=2, num_trainers=2, num_critics=1, max_tokens_per_micro_batch=64
+        samples_per_prompt=2,
+        num_minibatches=2,
+        num_trainers=2,
+        num_critics=1,
+        max_tokens_per_micro_batch=64,
     )
     batch = [ppo.Prompt([1, 2, 3], "1", "a", 1), ppo.Prompt([4, 5], "2", "b", 2)]
     responses = [{"token_ids": list(range(10, 10 + k))} for k in (3, 1, 2, 4)]
     shares = ppo.plan_minibatches(batch, responses, step=0, args=args)
-    assert [len(group) for group in shares] == [2, 1] and all(len(rank) == 2 for g in shares for rank in g)
-    values = torch.arange(16.0).view(4, 4) + 100  # (B, T): value of response i, token t = 100 + 4i + t
+    assert [len(group) for group in shares] == [2, 1] and all(
+        len(rank) == 2 for g in shares for rank in g
+    )
+    values = (
+        torch.arange(16.0).view(4, 4) + 100
+    )  # (B, T): value of response i, token t = 100 + 4i + t
     ppo.fill_token_values(shares, returns=values)
     for group in shares:
         seen = []
@@ -239,7 +319,9 @@ def test_minibatches_are_packed_once_and_filled_by_token():
                     want = 100 + 4 * mb["seq_id"][0, m] + mb["tok"][0, m]
                     torch.testing.assert_close(mb["returns"][0, m], want)
                     assert mb["returns"][0, ~m].abs().sum() == 0
-                    seen += [(int(i), int(t)) for i, t in zip(mb["seq_id"][0, m], mb["tok"][0, m])] * int(
-                        mb["loss_scale"]
-                    )
-        assert sorted(seen) == [(i, t) for i, n in enumerate((3, 1, 2, 4)) for t in range(n)]  # every token once
+                    seen += [
+                        (int(i), int(t)) for i, t in zip(mb["seq_id"][0, m], mb["tok"][0, m])
+                    ] * int(mb["loss_scale"])
+        assert sorted(seen) == [
+            (i, t) for i, n in enumerate((3, 1, 2, 4)) for t in range(n)
+        ]  # every token once

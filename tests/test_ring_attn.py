@@ -1,8 +1,8 @@
 """Ring attention (common/ring_attn.py, common/attn_blocks.py) against full causal attention.
 
-The ring tests spawn real processes joined by gloo (torch.multiprocessing, no Ray); each rank computes the
-reference itself on the whole row and checks its own shard of the ring's result against it. ring_plan is
-checked directly; the flash-attn kernels only on CUDA (GPU tier).
+The ring tests spawn real processes joined by gloo (torch.multiprocessing, no Ray); each rank
+computes the reference itself on the whole row and checks its own shard of the ring's result against
+it. ring_plan is checked directly; the flash-attn kernels only on CUDA (GPU tier).
 """
 
 import os
@@ -59,7 +59,9 @@ def reference_attention(q, k, v, position_ids):
 
 
 def _check_ring_attention(rank, world, lengths_cases, kernel="torch"):
-    if kernel == "flash-contract":  # FlashBlocks' plumbing, with a CPU stand-in for flash-attn's kernels
+    if (
+        kernel == "flash-contract"
+    ):  # FlashBlocks' plumbing, with a CPU stand-in for flash-attn's kernels
         attn_blocks._flash_interface = lambda: FlashContract
         attn_blocks.kernels_for = lambda q: attn_blocks.FlashBlocks
     sp = sp_groups(world, world)
@@ -77,41 +79,61 @@ def _check_ring_attention(rank, world, lengths_cases, kernel="torch"):
         ref_grads = [x.grad for x in (q, k, v)]
 
         # Shard the row the way a trainer does: per-token tensors in, this rank's zigzag share out.
-        local = shard_micro_batch({"input_ids": torch.arange(T)[None], "position_ids": position_ids[None]}, rank, world)
+        local = shard_micro_batch(
+            {"input_ids": torch.arange(T)[None], "position_ids": position_ids[None]}, rank, world
+        )
         pad = -T % (2 * world)
         idx = zigzag_indices(T + pad, rank, world)
         assert torch.equal(local["input_ids"][0], torch.where(idx < T, idx, 0))
         real = idx < T  # the padding is a sequence of its own at the end of the row
-        padded = [torch.cat([x.detach(), torch.randn(x.shape[0], pad, D, generator=gen)], 1) for x in (q, k, v)]
+        padded = [
+            torch.cat([x.detach(), torch.randn(x.shape[0], pad, D, generator=gen)], 1)
+            for x in (q, k, v)
+        ]
         lq, lk, lv = (x[:, idx].clone().requires_grad_() for x in padded)
-        out, _ = ring_attention_forward(module, lq[None], lk[None], lv[None], None, position_ids=local["position_ids"])
+        out, _ = ring_attention_forward(
+            module, lq[None], lk[None], lv[None], None, position_ids=local["position_ids"]
+        )
         out = out[0].transpose(0, 1)  # (H, T_local, D)
         lw = torch.cat([w, torch.zeros(H, pad, D)], 1)[:, idx]
         (out * lw).sum().backward()
         where = f"rank {rank}/{world}, lengths {lengths}"
-        torch.testing.assert_close(out[:, real], ref[:, idx[real]].float(), atol=1e-5, rtol=0, msg=where)
+        torch.testing.assert_close(
+            out[:, real], ref[:, idx[real]].float(), atol=1e-5, rtol=0, msg=where
+        )
         for name, g, ref_g in zip("qkv", (lq.grad, lk.grad, lv.grad), ref_grads):
-            torch.testing.assert_close(g[:, real], ref_g[:, idx[real]], atol=1e-5, rtol=0, msg=f"d{name}: {where}")
+            torch.testing.assert_close(
+                g[:, real], ref_g[:, idx[real]], atol=1e-5, rtol=0, msg=f"d{name}: {where}"
+            )
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_full_attention(world):
-    # one uneven sequence (padded to a multiple of 2k), then several packed into one row, one of length 1,
-    # one spanning several zigzag chunks
+    # one uneven sequence (padded to a multiple of 2k), then several packed into one row, one of
+    # length 1, one spanning several zigzag chunks
     spawn(_check_ring_attention, world, [[29], [5, 11, 1, 20], [3, 3, 2]])
 
 
 class FlashContract:
-    """A CPU stand-in for flash_attn.flash_attn_interface (2.7/2.8): the same argument names, int32 cu_seqlens,
-    lse (H, total_q), the backward writing into dq/dk/dv from the given out and lse. Each segment is plain float64
-    attention. It checks how FlashBlocks calls flash-attn, not flash-attn itself (that is the GPU test below)."""
+    """A CPU stand-in for flash_attn.flash_attn_interface (2.7/2.8): the same argument names, int32
+    cu_seqlens, lse (H, total_q), the backward writing into dq/dk/dv from the given out and lse.
+    Each segment is plain float64 attention. It checks how FlashBlocks calls flash-attn, not
+    flash-attn itself (that is the GPU test below)."""
 
     @staticmethod
-    def _segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and q.is_contiguous() and k.is_contiguous()
+    def _segments(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+    ):
+        assert (
+            cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+            and q.is_contiguous()
+            and k.is_contiguous()
+        )
         cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         assert cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
-        assert max_seqlen_q == max(torch.tensor(cu_q).diff()) and max_seqlen_k == max(torch.tensor(cu_k).diff())
+        assert max_seqlen_q == max(torch.tensor(cu_q).diff()) and max_seqlen_k == max(
+            torch.tensor(cu_k).diff()
+        )
         rep = q.shape[1] // k.shape[1]
         for i in range(len(cu_q) - 1):
             qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
@@ -132,7 +154,9 @@ class FlashContract:
         segs = (q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         for qs, ks, s, rep in FlashContract._segments(*segs):
             lse[:, qs] = torch.logsumexp(s, -1).float()
-            out[qs] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v[ks].double().repeat_interleave(rep, 1))
+            out[qs] = torch.einsum(
+                "hqk,khd->qhd", torch.softmax(s, -1), v[ks].double().repeat_interleave(rep, 1)
+            )
         return out, lse, None, None
 
     @staticmethod
@@ -141,21 +165,33 @@ class FlashContract:
         dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
         deterministic, rng_state=None,
     ):  # fmt: skip
-        assert dout.dtype == out.dtype == q.dtype and softmax_lse.is_contiguous() and dq.shape == q.shape
+        assert (
+            dout.dtype == out.dtype == q.dtype
+            and softmax_lse.is_contiguous()
+            and dq.shape == q.shape
+        )
         dq.zero_(), dk.zero_(), dv.zero_()
         segs = (q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         for qs, ks, s, rep in FlashContract._segments(*segs):
             p = torch.exp(s - softmax_lse[:, qs, None].double())
             do, vr = dout[qs].double(), v[ks].double().repeat_interleave(rep, 1)
             ds = p * (torch.einsum("qhd,khd->hqk", do, vr) - (do * out[qs]).sum(-1).T[..., None])
-            dq[qs] = torch.einsum("hqk,khd->qhd", ds, k[ks].double().repeat_interleave(rep, 1)) * softmax_scale
-            dk[ks] = (torch.einsum("hqk,qhd->khd", ds, q[qs].double()) * softmax_scale).unflatten(1, (-1, rep)).sum(2)
+            dq[qs] = (
+                torch.einsum("hqk,khd->qhd", ds, k[ks].double().repeat_interleave(rep, 1))
+                * softmax_scale
+            )
+            dk[ks] = (
+                (torch.einsum("hqk,qhd->khd", ds, q[qs].double()) * softmax_scale)
+                .unflatten(1, (-1, rep))
+                .sum(2)
+            )
             dv[ks] = torch.einsum("hqk,qhd->khd", p, do).unflatten(1, (-1, rep)).sum(2)
 
 
 def test_flash_blocks_call_flash_attn_as_documented():
-    # the ring on 2 ranks with FlashBlocks, flash-attn's kernels replaced by FlashContract: the rectangle and
-    # causal-segment pieces must reach the kernels with the right cu_seqlens, causal flag, lse and out
+    # the ring on 2 ranks with FlashBlocks, flash-attn's kernels replaced by FlashContract: the
+    # rectangle and causal-segment pieces must reach the kernels with the right cu_seqlens, causal
+    # flag, lse and out
     spawn(_check_ring_attention, 2, [[29], [5, 11, 1, 20]], "flash-contract")
 
 
@@ -164,9 +200,17 @@ def test_ring_plan_covers_the_causal_mask_exactly_once(n):
     gen = torch.Generator().manual_seed(n)
     for _ in range(30):
         T = 2 * n * int(torch.randint(1, 7, (), generator=gen))
-        cuts = sorted(set(torch.randint(1, T, (int(torch.randint(0, 5, (), generator=gen)),), generator=gen).tolist()))
+        cuts = sorted(
+            set(
+                torch.randint(
+                    1, T, (int(torch.randint(0, 5, (), generator=gen)),), generator=gen
+                ).tolist()
+            )
+        )
         lengths = torch.tensor([0, *cuts, T]).diff()  # packed sequences of random lengths
-        starts = torch.repeat_interleave(torch.tensor([0, *cuts]), lengths)  # (T,) global index of each seq start
+        starts = torch.repeat_interleave(
+            torch.tensor([0, *cuts]), lengths
+        )  # (T,) global index of each seq start
         g = torch.arange(T)
         allowed = (g[None, :] <= g[:, None]) & (starts[None, :] == starts[:, None])
         covered = torch.zeros(T, T, dtype=torch.long)
@@ -179,8 +223,13 @@ def test_ring_plan_covers_the_causal_mask_exactly_once(n):
                     if cu is None:
                         mask = torch.ones(len(r), len(c), dtype=torch.long)
                     else:  # causal inside each segment [cu[i], cu[i+1])
-                        seg = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
-                        mask = ((seg[:, None] == seg[None, :]) & torch.ones(len(r), len(c)).tril().bool()).long()
+                        seg = torch.repeat_interleave(
+                            torch.arange(len(cu) - 1), torch.tensor(cu).diff()
+                        )
+                        mask = (
+                            (seg[:, None] == seg[None, :])
+                            & torch.ones(len(r), len(c)).tril().bool()
+                        ).long()
                     covered[r[:, None], c[None, :]] += mask
         assert torch.equal(covered, allowed.long()), f"sp {n}, lengths {lengths.tolist()}"
 
@@ -190,9 +239,14 @@ def test_flash_blocks_match_torch_blocks():
     if attn_blocks._flash_interface() is None:
         pytest.skip("flash-attn >= 2.7 is not installed")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for Tq, Tk, cu in [(24, 31, None), (40, 40, [0, 5, 17, 18, 40])]:  # a rectangle; causal packed segments
+    for Tq, Tk, cu in [
+        (24, 31, None),
+        (40, 40, [0, 5, 17, 18, 40]),
+    ]:  # a rectangle; causal packed segments
         q = torch.randn(Tq, 8, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(Tk, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        k, v = (
+            torch.randn(Tk, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in "kv"
+        )
         dout = torch.randn(Tq, 8, 64, generator=gen, device="cuda")
         assert attn_blocks.kernels_for(q) is attn_blocks.FlashBlocks
         out_t, lse_t = attn_blocks.TorchBlocks.forward(q, k, v, cu, 0.125)
@@ -206,24 +260,33 @@ def test_flash_blocks_match_torch_blocks():
 
 
 def test_shard_micro_batch_zigzag_layout():
-    mb = {"input_ids": torch.arange(10)[None], "position_ids": torch.arange(10)[None], "loss_scale": torch.tensor(1.0)}
+    mb = {
+        "input_ids": torch.arange(10)[None],
+        "position_ids": torch.arange(10)[None],
+        "loss_scale": torch.tensor(1.0),
+    }
     shards = [shard_micro_batch(mb, r, 2) for r in range(2)]  # 10 tokens -> 12 = 4 chunks of 3
     assert shards[0]["input_ids"].tolist() == [[0, 1, 2, 9, 0, 0]]
     assert shards[1]["input_ids"].tolist() == [[3, 4, 5, 6, 7, 8]]
-    assert shards[0]["position_ids"].tolist() == [[0, 1, 2, 9, 0, 1]]  # the padding starts a new sequence
+    assert shards[0]["position_ids"].tolist() == [
+        [0, 1, 2, 9, 0, 1]
+    ]  # the padding starts a new sequence
     assert shards[0]["loss_scale"] is mb["loss_scale"]
     assert shard_micro_batch(mb, 0, 1) is mb
 
 
 def _train_step(model, micro_batches, num_tokens, world, sp):
-    """sft.py's train_step loss, with the SP sharding the scripts add; returns this rank's loss sum."""
+    """sft.py's train_step loss, with the SP sharding the scripts add; returns this rank's loss
+    sum."""
     from sft import compute_logprobs
 
     loss_sum = 0.0
     for i, mb in enumerate(micro_batches):
         mb = shard_micro_batch(mb, sp.rank, sp.size)
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-        logprobs = compute_logprobs(model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+        logprobs = compute_logprobs(
+            model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"]
+        )
         loss = -logprobs.sum() * mb["loss_scale"]
         (loss * world / num_tokens).backward()
         loss_sum += loss.item()
@@ -240,7 +303,9 @@ def _check_training_step(rank, world, model_path, sp_size):
         ids = torch.randint(0, 1000, (n,), generator=gen).tolist()
         mask = [0] * (n // 3) + [1] * (n - n // 3)
         batch.append({"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask[1:] + [0]})
-    batch.append({"input_ids": [5, 6, 7, 8, 9], "labels": [6, 7, 8, 9, 0], "loss_mask": [1, 1, 0, 0, 0]})
+    batch.append(
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [6, 7, 8, 9, 0], "loss_mask": [1, 1, 0, 0, 0]}
+    )
     num_tokens = sum(sum(s["loss_mask"]) for s in batch)
     results = {}
     for size in (1, sp_size):
@@ -257,11 +322,17 @@ def _check_training_step(rank, world, model_path, sp_size):
         grads = [p.grad.full_tensor() for p in model.parameters()]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         opt.step()
-        results[size] = (loss / num_tokens, grads, [p.full_tensor().detach() for p in model.parameters()])
+        results[size] = (
+            loss / num_tokens,
+            grads,
+            [p.full_tensor().detach() for p in model.parameters()],
+        )
     (loss1, grads1, weights1), (loss_sp, grads_sp, weights_sp) = results[1], results[sp_size]
     grad_diff = max((a - b).abs().max().item() for a, b in zip(grads_sp, grads1))
     weight_diff = max((a - b).abs().max().item() for a, b in zip(weights_sp, weights1))
-    print(f"rank {rank}: loss {loss1:.6f} vs {loss_sp:.6f}, max |dgrad| {grad_diff:.1e}, max |dw| {weight_diff:.1e}")
+    print(
+        f"rank {rank}: loss {loss1:.6f} vs {loss_sp:.6f}, max |dgrad| {grad_diff:.1e}, max |dw| {weight_diff:.1e}"
+    )
     torch.testing.assert_close(loss_sp, loss1, atol=1e-4, rtol=0)
     assert grad_diff < 1e-4 and weight_diff < 1e-4
     assert max(g.abs().max().item() for g in grads1) > 1e-3  # the comparison is not between zeros
@@ -269,5 +340,6 @@ def _check_training_step(rank, world, model_path, sp_size):
 
 @pytest.mark.parametrize("world,sp_size", [(2, 2), (4, 2)])
 def test_training_step_with_sp_equals_without(tiny_model, world, sp_size):
-    # (4, 2): a 2 x 2 DP x SP mesh, compared with 4-way DP; gradient checkpointing re-runs the ring in backward
+    # (4, 2): a 2 x 2 DP x SP mesh, compared with 4-way DP; gradient checkpointing re-runs the ring
+    # in backward
     spawn(_check_training_step, world, tiny_model, sp_size)

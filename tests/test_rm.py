@@ -1,4 +1,5 @@
-"""rm.py: the Bradley-Terry loss, where the reward is read, FSDP2 across ranks, end-to-end runs (bad input: test_bad_input.py)."""
+"""rm.py: the Bradley-Terry loss, where the reward is read, FSDP2 across ranks, end-to-end runs (bad
+input: test_bad_input.py)."""
 
 import math
 import os
@@ -6,14 +7,13 @@ import os
 import pytest
 import ray
 import torch
-from conftest import assert_same_training, only_run_dir, read_jsonl, run_script
+from conftest import assert_same_training, only_run_dir, read_jsonl, run_script, start_ray_cpu
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 import rm
-from common.data import encode_example, load_rows, split_for_ranks
-from common.placement import Layout, call, init_ray, make_placement_group, spawn_trainers
-from common.ring_attn import shares_per_rank
+from common.data import encode_example, load_rows
+from common.placement import Layout, call, make_placement_group, spawn_trainers
 
 
 def test_rm_loss_closed_form():
@@ -40,7 +40,9 @@ def test_sequence_ends_left_right_and_packed():
 @pytest.fixture(scope="module")
 def reward_model(tiny_model, tokenizer):
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        tiny_model, num_labels=1, dtype=torch.float32
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     return model.eval()
 
@@ -48,14 +50,23 @@ def reward_model(tiny_model, tokenizer):
 def test_reward_is_read_at_the_last_real_token(reward_model, tokenizer):
     prompt = [{"role": "user", "content": "What is 2 + 3?"}]
     a = encode_example(tokenizer, prompt, [{"role": "assistant", "content": "2 + 3 = 5"}])[0]
-    b = encode_example(tokenizer, prompt, [{"role": "assistant", "content": "The sum of 2 and 3 is 6, I think."}])[0]
+    b = encode_example(
+        tokenizer, prompt, [{"role": "assistant", "content": "The sum of 2 and 3 is 6, I think."}]
+    )[0]
     with torch.no_grad():
-        # each sequence alone: the head's output at its last token (the hidden state of the whole sequence)
-        alone = [reward_model.score(reward_model.model(torch.tensor([x])).last_hidden_state)[0, -1, 0] for x in (a, b)]
+        # each sequence alone: the head's output at its last token (the hidden state of the whole
+        # sequence)
+        alone = [
+            reward_model.score(reward_model.model(torch.tensor([x])).last_hidden_state)[0, -1, 0]
+            for x in (a, b)
+        ]
         alone = torch.stack(alone)
         width, pad = max(len(a), len(b)), tokenizer.pad_token_id
         for side in ("left", "right"):
-            rows = [[pad] * (width - len(x)) + x if side == "left" else x + [pad] * (width - len(x)) for x in (a, b)]
+            rows = [
+                [pad] * (width - len(x)) + x if side == "left" else x + [pad] * (width - len(x))
+                for x in (a, b)
+            ]
             masks = [[0] * (width - len(x)) + [1] * len(x) if side == "left" else [1] * len(x) + [0] * (width - len(x))
                      for x in (a, b)]  # fmt: skip
             mask = torch.tensor(masks)
@@ -63,17 +74,12 @@ def test_reward_is_read_at_the_last_real_token(reward_model, tokenizer):
             got = rm.compute_rewards(reward_model, torch.tensor(rows), pos, mask)
             torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
         packed = rm.compute_rewards(
-            reward_model, torch.tensor([a + b]), torch.tensor([list(range(len(a))) + list(range(len(b)))])
+            reward_model,
+            torch.tensor([a + b]),
+            torch.tensor([list(range(len(a))) + list(range(len(b)))]),
         )
         torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
     assert (alone[0] - alone[1]).abs() > 1e-4  # the two sequences really score differently
-
-
-@pytest.fixture(scope="module")
-def ray_cpu():
-    init_ray(num_bundles=4)
-    yield
-    ray.shutdown()
 
 
 def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
@@ -83,16 +89,26 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
         c, _ = encode_example(tokenizer, r["prompt"], r["chosen"])
         j, _ = encode_example(tokenizer, r["prompt"], r["rejected"])
         pairs.append(rm.make_pair(c, j, 0.5))
-    args = rm.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=256, sp_size=sp_size)
+    args = rm.Args(
+        learning_rate=1e-3,
+        warmup_steps=1,
+        num_steps=steps,
+        max_tokens_per_micro_batch=256,
+        sp_size=sp_size,
+    )
+    args.num_trainers = world_size
+    start_ray_cpu()
     layout = Layout(False, trainers=world_size)
     pg = make_placement_group(layout.bundles, use_gpu=False)
     trainers = spawn_trainers(rm.Trainer, pg, layout.trainers, args, model_path)
     losses = []
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]
-        shares = split_for_ranks(batch, world_size // sp_size, args.max_tokens_per_micro_batch)
-        out = call(trainers, "train_step", len(batch), step, per_rank=shares_per_rank(shares, sp_size))
-        losses.append(sum(o["loss_sum"] for o in out[::sp_size]) / len(batch))  # an SP group reports its pairs once
+        shares = rm.plan_micro_batches(batch, args)
+        out = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        losses.append(
+            sum(o["loss_sum"] for o in out[::sp_size]) / len(batch)
+        )  # an SP group reports its pairs once
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
         ray.kill(t)
@@ -100,13 +116,24 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     return losses, load_file(os.path.join(out_dir, "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_model, tokenizer, tmp_path_factory):
+    """The one-rank run the two-rank runs are compared with, trained once."""
+    return train_with_ranks(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
+
+
 @pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
-def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path, sp_size):
-    # sp2: both ranks split every row with ring attention; each reward is read on the rank holding its end token
-    losses1, weights1 = train_with_ranks(1, tiny_model, tokenizer, tmp_path / "one")
-    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size)
+def test_two_ranks_match_one_rank(one_rank, tiny_model, tokenizer, tmp_path, sp_size):
+    # sp2: both ranks split every row with ring attention; each reward is read on the rank holding
+    # its end token
+    losses1, weights1 = one_rank
+    losses2, weights2 = train_with_ranks(
+        2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size
+    )
     assert losses1 == pytest.approx(losses2, abs=1e-4)
-    assert_same_training(weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors")))
+    assert_same_training(
+        weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors"))
+    )
     assert "score.weight" in weights1
 
 
@@ -120,9 +147,13 @@ def test_rm_end_to_end_loads_in_transformers(tiny_model, tokenizer, tmp_path):
     run_dir = only_run_dir(out)
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert {"eval/accuracy", "eval/margin", "eval/loss"} <= rows[-1].keys() and "train/loss" in rows[1]
+    assert {"eval/accuracy", "eval/margin", "eval/loss"} <= rows[
+        -1
+    ].keys() and "train/loss" in rows[1]
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "step_2", "trainer_state.pt"))
-    model = AutoModelForSequenceClassification.from_pretrained(os.path.join(run_dir, "checkpoints", "final"))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        os.path.join(run_dir, "checkpoints", "final")
+    )
     assert model.config.num_labels == 1 and model.config.pad_token_id is not None
     ids, _ = encode_example(tokenizer, [{"role": "user", "content": "What is 1 + 2?"}], "1 + 2 = 3")
     with torch.no_grad():
@@ -131,7 +162,11 @@ def test_rm_end_to_end_loads_in_transformers(tiny_model, tokenizer, tmp_path):
 
 
 def test_compute_loss_sums_pairs_and_counts():
-    chosen, rejected, margins = torch.tensor([2.0, -1.0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.5])
+    chosen, rejected, margins = (
+        torch.tensor([2.0, -1.0]),
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([0.0, 0.5]),
+    )
     loss, stats = rm.compute_loss(chosen, rejected, margins)
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-1)) + math.log(1 + math.exp(2.5)))
     assert stats["correct"].item() == 1 and stats["margin_sum"].item() == pytest.approx(1.0 - 2.0)

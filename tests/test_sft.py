@@ -1,4 +1,5 @@
-"""sft.py: its math, FSDP2 across ranks, and end-to-end runs (checkpoint, resume); bad input is in test_bad_input.py."""
+"""sft.py: its math, FSDP2 across ranks, the greedy generate/accuracy path sft.py and dpo.py share,
+and end-to-end runs (checkpoint, resume); bad input is in test_bad_input.py."""
 
 import math
 import os
@@ -6,22 +7,24 @@ import os
 import pytest
 import ray
 import torch
-from conftest import assert_same_training, only_run_dir, read_jsonl, run_script
+from conftest import assert_same_training, only_run_dir, read_jsonl, run_script, start_ray_cpu
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import sft
-from common.data import encode_example, load_rows, split_for_ranks
-from common.placement import Layout, call, init_ray, make_placement_group, spawn_trainers
-from common.ring_attn import shares_per_rank
+from common.data import encode_example, encode_prompt, load_rows
+from common.placement import Layout, call, make_placement_group, spawn_trainers
 
 
 def test_compute_logprobs_matches_full_log_softmax(tiny_model, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     a, ma = encode_example(
-        tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+        tokenizer,
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
     )
-    b, mb = encode_example(tokenizer, [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    b, mb = encode_example(
+        tokenizer, [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    )
     # packed: two sequences in one row, positions restarting; the block mask must keep them apart
     seqs = [sft.make_sequence(a, ma), sft.make_sequence(b, mb)]
     ids = torch.tensor([a + b])
@@ -61,19 +64,18 @@ def test_batch_rows_is_a_function_of_the_step():
     assert epoch != [r for s in range(4) for r in sft.batch_rows(s, 12, 3, seed=6)]
 
 
-@pytest.fixture(scope="module")
-def ray_cpu():
-    init_ray(num_bundles=4)
-    yield
-    ray.shutdown()
-
-
 def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
     rows, _ = load_rows("data/arithmetic/sft_train.jsonl")
     sequences = [sft.make_sequence(*encode_example(tokenizer, r["messages"])) for r in rows[:24]]
     args = sft.Args(
-        learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=128, sp_size=sp_size
+        learning_rate=1e-3,
+        warmup_steps=1,
+        num_steps=steps,
+        max_tokens_per_micro_batch=128,
+        sp_size=sp_size,
     )
+    args.num_trainers = world_size
+    start_ray_cpu()
     layout = Layout(False, trainers=world_size)
     pg = make_placement_group(layout.bundles, use_gpu=False)
     trainers = spawn_trainers(sft.Trainer, pg, layout.trainers, args, model_path)
@@ -81,8 +83,9 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     for step in range(steps):
         batch = sequences[step * 8 : (step + 1) * 8]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)
-        shares = split_for_ranks(batch, world_size // sp_size, args.max_tokens_per_micro_batch)
-        out = call(trainers, "train_step", num_tokens, step, per_rank=shares_per_rank(shares, sp_size))
+        out = call(
+            trainers, "train_step", num_tokens, step, per_rank=sft.plan_micro_batches(batch, args)
+        )
         losses.append(sum(o["loss_sum"] for o in out) / num_tokens)
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
@@ -91,14 +94,25 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     return losses, load_file(os.path.join(out_dir, "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_model, tokenizer, tmp_path_factory):
+    """The one-rank run the two-rank runs are compared with, trained once."""
+    return train_with_ranks(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
+
+
 @pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
-def test_two_ranks_match_one_rank(ray_cpu, tiny_model, tokenizer, tmp_path, sp_size):
-    # dp2: FSDP2 data parallel over 2 ranks; sp2: both ranks split every row with ring attention (--sp-size 2)
-    losses1, weights1 = train_with_ranks(1, tiny_model, tokenizer, tmp_path / "one")
-    losses2, weights2 = train_with_ranks(2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size)
+def test_two_ranks_match_one_rank(one_rank, tiny_model, tokenizer, tmp_path, sp_size):
+    # dp2: FSDP2 data parallel over 2 ranks; sp2: both ranks split every row with ring attention
+    # (--sp-size 2)
+    losses1, weights1 = one_rank
+    losses2, weights2 = train_with_ranks(
+        2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size
+    )
     assert losses1[-1] < losses1[0]  # it learns (lr 1e-3 on a tiny model)
     assert losses1 == pytest.approx(losses2, abs=1e-4)
-    assert_same_training(weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors")))
+    assert_same_training(
+        weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors"))
+    )
 
 
 def sft_args(model, out, *extra):
@@ -107,7 +121,9 @@ def sft_args(model, out, *extra):
 
 
 def test_sft_end_to_end_checkpoint_and_resume(tiny_model, tmp_path):
-    full = run_script("sft.py", *sft_args(tiny_model, tmp_path / "full", "--num-steps", "3", "--save-every", "2"))
+    full = run_script(
+        "sft.py", *sft_args(tiny_model, tmp_path / "full", "--num-steps", "3", "--save-every", "2")
+    )
     assert full.returncode == 0, full.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "full")
     final = os.path.join(run_dir, "checkpoints", "final")
@@ -118,9 +134,12 @@ def test_sft_end_to_end_checkpoint_and_resume(tiny_model, tmp_path):
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1] and "eval/loss" in rows[-1]
     assert os.path.isfile(os.path.join(run_dir, "config.json"))
 
-    # resume from step 2: the third step sees the same data and optimizer state, so it logs the same loss
+    # resume from step 2: the third step sees the same data and optimizer state, so it logs the same
+    # loss
     ckpt = os.path.join(run_dir, "checkpoints", "step_2")
-    resumed = run_script("sft.py", *sft_args(tiny_model, tmp_path / "full", "--num-steps", "3", "--resume", ckpt))
+    resumed = run_script(
+        "sft.py", *sft_args(tiny_model, tmp_path / "full", "--num-steps", "3", "--resume", ckpt)
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows2 = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows2] == [0, 1, 2, 3]
@@ -129,4 +148,54 @@ def test_sft_end_to_end_checkpoint_and_resume(tiny_model, tmp_path):
 
 
 def test_compute_loss_is_the_summed_nll():
-    assert sft.compute_loss(torch.log(torch.tensor([0.5, 0.25]))).item() == pytest.approx(math.log(8))
+    assert sft.compute_loss(torch.log(torch.tensor([0.5, 0.25]))).item() == pytest.approx(
+        math.log(8)
+    )
+
+
+def test_greedy_completions_batch_like_one_at_a_time(tiny_model, tokenizer):
+    """Prompts of different lengths, left-padded into one batch, get the completions each gets
+    alone: the padding is masked and every prompt ends where generation starts; EOS and padding are
+    cut."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    questions = ["1 + 1?", "What is 12 + 30? Think step by step.", "Hi"]
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    assert len({len(p) for p in prompts}) == 3
+    batched = sft.greedy_completions(model, tokenizer, prompts, 6, synced=False)
+    for prompt, got in zip(prompts, batched):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+        alone = [t for t in out[0, len(prompt) :].tolist() if t != tokenizer.eos_token_id]
+        assert got == alone and 0 < len(got) <= 6
+
+
+@ray.remote
+class Echo:
+    """A stand-in trainer rank: its "completion" of a prompt is the prompt's last token."""
+
+    def generate(self, prompts, max_new_tokens):
+        return [[p[-1]] for p in prompts]
+
+
+def test_greedy_accuracy_puts_each_completion_back_with_its_row(ray_cpu, tokenizer):
+    """Prompts dealt round-robin to 3 ranks come back in row order, scored against their own
+    answer."""
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(7)]
+    rows = [{"prompt": f"q{d}", "answer": d if d % 3 else d + 1} for d in range(7)]  # 4 of 7 right
+    trainers = [Echo.remote() for _ in range(3)]
+    args = sft.Args(max_new_tokens=1)
+    accuracy, samples = sft.greedy_accuracy(
+        trainers, rows, [[5, d] for d in digits], tokenizer, args
+    )
+    assert [s["response"] for s in samples] == [str(d) for d in range(7)]
+    assert [s["prompt"] for s in samples] == [r["prompt"] for r in rows]
+    assert accuracy == pytest.approx(4 / 7) and [s["reward"] for s in samples] == [
+        0,
+        1,
+        1,
+        0,
+        1,
+        1,
+        0,
+    ]
+    for t in trainers:
+        ray.kill(t)

@@ -1,54 +1,66 @@
 """The shape of the code: line budgets, shared blocks kept identical, --help, formatting."""
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
 
 import pytest
+import tyro
 from conftest import REPO
 
 SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
-# About 10 % above today's sizes: growth past them is a decision, not drift.
+# About 5 % above the sizes at 100-column lines: growth past them is a decision, not drift.
 BUDGET = {
-    "sft.py": 460,
-    "rm.py": 470,
-    "dpo.py": 555,
-    "grpo.py": 735,
+    "sft.py": 520,
+    "rm.py": 510,
+    "dpo.py": 610,
+    "grpo.py": 785,
     "ppo.py": 1075,
-    "dapo.py": 775,
-    "grpo_async.py": 820,
+    "dapo.py": 830,
+    "grpo_async.py": 870,
 }
-MAIN_BUDGET = {"ppo.py": 200}  # lines of main(); 150 for the others: the loop fits on a screen
+# lines of main(): the loop fits on a screen
+MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
 PRESENT = [s for s in SCRIPTS if os.path.exists(os.path.join(REPO, s))]
 # Blocks that must stay byte-identical in the scripts listed (change them everywhere at once).
 ALL, RL = SCRIPTS, ["grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
 GRPO = ["grpo.py", "dapo.py", "grpo_async.py"]  # grpo.py and its variants
-SHARED = {
-    "load_policy": ["sft.py", "dpo.py", *RL],
-    "compute_logprobs": ["sft.py", "dpo.py", *RL],
-    "reward_fn": ["sft.py", "dpo.py", *RL],
-    "batch_rows": ALL,
-    "lr_at": ["sft.py", "rm.py", "dpo.py", *GRPO],  # ppo.py's takes the peak (policy or critic)
-    "Prompt": RL,
-    "make_sequence": RL,
-    "encode_prompts": RL,
-    "score_responses": RL,
-    "check_machine": ["grpo.py", "dapo.py"],  # grpo_async.py never colocates
-    "read_prompt_rows": GRPO,
-    "start_actors": ["grpo.py", "dapo.py"],
-    "plan_minibatches": GRPO,
-    "Trainer.init_weight_sync": RL,
-    "Trainer.push_weights": RL,
-    "Trainer.check_weights": RL,
-    "Trainer.train_step": GRPO,  # DAPO's loss changes live in its compute_loss
-    "Trainer.save": [
-        *ALL[:5],
-        "grpo_async.py",
-        "ppo.py:ShardedModel.save",
-    ],  # ppo.py: the policy and the critic share it
-    "Trainer.load_optimizer": [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.load_optimizer"],
-}
+SUPERVISED = ["sft.py", "rm.py", "dpo.py"]  # one trainer group, no engines
+SHARED = [  # (block, scripts); "script:Class.method" names a block under another name
+    ("load_policy", ["sft.py", "dpo.py", *RL]),
+    ("compute_logprobs", ["sft.py", "dpo.py", *RL]),
+    ("reward_fn", ["sft.py", "dpo.py", *RL]),
+    ("batch_rows", ALL),
+    ("lr_at", [*SUPERVISED, *GRPO]),  # ppo.py's takes the peak (policy or critic)
+    ("time_metrics", SUPERVISED),
+    ("plan_micro_batches", SUPERVISED),
+    ("check_machine", SUPERVISED),
+    ("start_trainers", SUPERVISED),
+    ("greedy_completions", ["sft.py", "dpo.py"]),  # the generate/accuracy path
+    ("Trainer.generate", ["sft.py", "dpo.py"]),
+    ("greedy_accuracy", ["sft.py", "dpo.py"]),
+    ("read_accuracy_rows", ["sft.py", "dpo.py"]),
+    ("Prompt", RL),
+    ("make_sequence", RL),
+    ("encode_prompts", RL),
+    ("score_responses", RL),
+    ("check_machine", ["grpo.py", "dapo.py"]),  # grpo_async.py never colocates
+    ("read_prompt_rows", GRPO),
+    ("start_actors", ["grpo.py", "dapo.py"]),
+    ("plan_minibatches", GRPO),
+    ("Trainer.init_weight_sync", RL),
+    ("Trainer.push_weights", RL),
+    ("Trainer.check_weights", RL),
+    # a loss change lives in compute_loss / loss_weights; grpo_async.py's (never colocated) keeps
+    # no GPU cache for an engine, one tagged line
+    ("Trainer.train_step", ["grpo.py", "dapo.py"]),
+    ("Trainer.local_part", ["sft.py", *GRPO, "ppo.py:ShardedModel.local_part"]),
+    ("Trainer.optimizer_step", [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.optimizer_step"]),
+    ("Trainer.save", [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.save"]),
+    ("Trainer.load_optimizer", [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.load_optimizer"]),
+]
 
 
 def source(name):
@@ -73,25 +85,24 @@ def test_common_stays_small():
         n = source(os.path.join("common", f)).count("\n")
         assert n <= 300, f"common/{f} has {n} lines"
         total += n
-    # STYLE.md's target is ~1,000; the GPU/cluster layer (Layout, the rank-0 loader, start-up waits) took it past
-    # 1,400, the failure handling (checks.py: ranges, pre-flight checks, RunError, reward calls) to ~1,800, and
-    # plumbing moved out of the scripts (checkpoint save/load, the engine fan-out, pair checks) to ~1,870. The
-    # one-GPU work added the memory plan (memory.py), the chunked LM head (lm_head.py) and the checked weight
-    # sync: ~2,620. Over this cap, delete or simplify before adding.
+    # STYLE.md's target is ~1,000; the GPU/cluster layer (Layout, the rank-0 loader, start-up waits)
+    # took it past 1,400, the failure handling (ranges, pre-flight checks, RunError, reward calls) to
+    # ~1,800, plumbing moved out of the scripts (checkpoints, the engine fan-out, pair checks) to ~1,870,
+    # the one-GPU work (the memory plan, the chunked LM head, the checked weight sync) to ~2,620. At 100
+    # columns it is ~2,650. Over this cap, delete or simplify before adding.
     assert total <= 2700, f"common/ has {total} lines"
 
 
-def test_help_works():
-    """`python <script> --help` for every script, started together (each spends ~8 s importing torch and vLLM)."""
-    procs = {
-        script: subprocess.Popen([sys.executable, script, "--help"], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-        for script in PRESENT
-    }  # fmt: skip
-    for script, proc in procs.items():
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, f"{script}: {err[-2000:]}"
-        assert "--num-trainers" in out and "--seed" in out, script
+@pytest.mark.parametrize("script", PRESENT)
+def test_help_works(script, capsys):
+    """`--help` lists every flag, with its docstring (real processes of every script are started in
+    test_bad_input.py's test_one_error_line_in_a_real_process)."""
+    module = importlib.import_module(script[:-3])
+    with pytest.raises(SystemExit) as e:
+        tyro.cli(module.Args, args=["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--num-trainers" in out and "--seed" in out, script
+    assert "seed of model init, data order and sampling" in out
 
 
 def experiment_block(text):
@@ -104,22 +115,30 @@ def test_shared_blocks_are_identical():
         pytest.skip("one script: nothing to compare yet")
     ref = PRESENT[0]
     for script in PRESENT[1:]:
-        assert experiment_block(source(script)) == experiment_block(source(ref)), f"Experiment block: {script}"
-    for name, scripts in SHARED.items():
+        assert experiment_block(source(script)) == experiment_block(source(ref)), (
+            f"Experiment block: {script}"
+        )
+    for name, scripts in SHARED:
         where = [(s.split(":")[0], s.split(":")[-1] if ":" in s else name) for s in scripts]
         blocks = {s: block_source(s, n) for s, n in where if s in PRESENT}
-        assert all(blocks.values()), f"{name} is missing from {[s for s, b in blocks.items() if not b]}"
+        assert all(blocks.values()), (
+            f"{name} is missing from {[s for s, b in blocks.items() if not b]}"
+        )
         first = next(iter(blocks))
         for script, block in blocks.items():
             assert block == blocks[first], f"{name} differs between {first} and {script}"
 
 
 def block_source(script, name):
-    """Source of a top-level function or class `name`, or of a method `Class.name`; None if there is none."""
+    """Source of a top-level function or class `name`, or of a method `Class.name`; None if there is
+    none."""
     text = source(script)
     nodes = ast.parse(text).body
     for part in name.split("."):
-        node = next((n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+        node = next(
+            (n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part),
+            None,
+        )
         if node is None:
             return None
         nodes = node.body
@@ -127,8 +146,8 @@ def block_source(script, name):
 
 
 def test_scripts_import_without_side_effects(tmp_path):
-    """Importing a script (to copy a function, or in a test) starts nothing and writes nothing: no Ray, no
-    process group, no CUDA context, no file in the working directory, nothing printed."""
+    """Importing a script (to copy a function, or in a test) starts nothing and writes nothing: no
+    Ray, no process group, no CUDA context, no file in the working directory, nothing printed."""
     imports = "; ".join(f"import {s[:-3]}" for s in PRESENT)
     code = (
         f"import sys; sys.path.insert(0, {REPO!r}); sys.argv = ['x']; {imports}\n"
@@ -137,10 +156,21 @@ def test_scripts_import_without_side_effects(tmp_path):
         "assert not dist.is_initialized(), 'a process group started'\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout == "", out.stdout[-2000:]
     assert os.listdir(tmp_path) == [], f"importing wrote {os.listdir(tmp_path)}"
+
+
+def test_lines_fit_in_100_columns():
+    """The formatter wraps code at 100 columns; docstrings and comments are wrapped by hand, so a
+    test keeps them there too (in characters: the math uses Unicode symbols)."""
+    files = PRESENT + [os.path.join("common", f) for f in os.listdir(os.path.join(REPO, "common"))]
+    for name in [f for f in files if f.endswith(".py")]:
+        long = [i for i, line in enumerate(source(name).splitlines(), 1) if len(line) > 100]
+        assert not long, f"{name}: lines over 100 characters: {long[:10]}"
 
 
 def test_ruff_format_and_lint():

@@ -1,4 +1,7 @@
-"""Trainer → vLLM weight sync: after a change and a push, engine logprobs equal trainer logprobs."""
+"""Trainer → vLLM weight sync: an update that leaves a weight out is refused (CPU, gloo); on GPU,
+after a change and a push over nccl or CUDA IPC, engine logprobs equal trainer logprobs. The CPU
+round trip after a real training step (tied and untied weights, ring attention) is test_grpo.py's
+test_engine_matches_trainer_after_train_step_and_sync."""
 
 import pytest
 import ray
@@ -30,8 +33,12 @@ class SyncTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def init_sync(self, engines, backend, addr, port):
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines' dtype
-        self.sync = init_weight_sync(self.model, self.tokenizer, engines, backend, self.rank, (addr, port), 1, dtype)
+        dtype = (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        )  # the engines' dtype
+        self.sync = init_weight_sync(
+            self.model, self.tokenizer, engines, backend, self.rank, (addr, port), 1, dtype
+        )
 
     @torch.no_grad()
     def perturb(self, scale):
@@ -47,7 +54,8 @@ class SyncTrainer:
         self.sync.check()
 
     def leave_out(self, name: str | None):
-        """From now on the pushes skip the weight `name` (None: send everything again), like a broken sender."""
+        """From now on the pushes skip the weight `name` (None: send everything again), like a
+        broken sender."""
         source = self.sync.transfer.source
         parent = type(source) if name is not None else type(source).__mro__[1]
 
@@ -67,14 +75,20 @@ class SyncTrainer:
             mb = {k: v.to(self.device) for k, v in mb.items()}
             out.append(
                 sft.compute_logprobs(
-                    self.model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"], temperature
+                    self.model,
+                    mb["input_ids"],
+                    mb["position_ids"],
+                    mb["labels"],
+                    mb["loss_mask"],
+                    temperature,
                 )
             )
         return torch.cat(out).cpu()
 
 
 def sample_and_score(engines, trainers, prompts, temperature):
-    """Engine samples + its logprobs, and the trainers' logprobs of the same tokens (same packing order)."""
+    """Engine samples + its logprobs, and the trainers' logprobs of the same tokens (same packing
+    order)."""
     outs = ray.get(engines[0].generate.remote(prompts, 2, temperature, 1.0, 8))
     seqs, engine_lp = [], []
     for p, samples in zip(prompts, outs):
@@ -83,57 +97,22 @@ def sample_and_score(engines, trainers, prompts, temperature):
             mask = [0] * len(p) + [1] * len(s["token_ids"])
             seqs.append(sft.make_sequence(ids, mask))
             engine_lp.append(torch.tensor(s["logprobs"]))
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]["input_ids"]))  # pack() sorts longest first
+    order = sorted(
+        range(len(seqs)), key=lambda i: -len(seqs[i]["input_ids"])
+    )  # pack() sorts longest first
     assert len(pack(seqs, 4096)) == 1
     trainer_lp = call(trainers, "logprobs", seqs, temperature)[0]
     return trainer_lp, torch.cat([engine_lp[i] for i in order])
 
 
-@pytest.fixture(scope="module")
-def ray_cpu():
-    init_ray(num_bundles=4)
-    yield
-    ray.shutdown()
-
-
-@pytest.mark.cpu_engine("CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart")
-@pytest.mark.parametrize("tied", [True, False])
-def test_gloo_sync_matches_trainer_logprobs(ray_cpu, tied, tiny_model, tiny_model_untied, tokenizer):
-    path = tiny_model if tied else tiny_model_untied
-    layout = Layout(False, trainers=2, engines=1)
-    pg = make_placement_group(layout.bundles, use_gpu=False)
-    trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, path)
-    engines = spawn_engines(
-        pg, layout.engines, model_path=path, seed=0, backend="gloo", tp=1, max_model_len=256, memory=0.25, use_gpu=False
-    )
-    addr, port = rendezvous_address(pg, 0)
-    call(trainers, "init_sync", engines, "gloo", addr, port)
-    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 3?"}]) for a in range(4)]
-    T = 0.8
-
-    trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, T)
-    assert (trainer_lp - engine_lp).abs().max() < 1e-4  # same weights at start
-
-    call(trainers, "perturb", 0.05)
-    trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, T)
-    assert (trainer_lp - engine_lp).abs().max() > 1e-2  # the engine still has the old weights: the check can fail
-
-    call(trainers, "push")
-    call(trainers, "check")
-    assert ray.get(engines[0].get_version.remote()) == 1
-    trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, T)
-    assert (trainer_lp - engine_lp).abs().max() < 1e-4
-
-    for a in trainers + engines:
-        ray.kill(a)
-    ray.util.remove_placement_group(pg)
-
-
-@pytest.mark.cpu_engine("CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart")
+@pytest.mark.cpu_engine(
+    "CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart"
+)
 def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
-    """An engine never serves a half-updated model in silence: a weight missing from an update fails the update,
-    naming it (the engine's own parameter check), and a missing part of a fused weight (q of vLLM's qkv_proj,
-    whose name the update does set) fails the probe that follows every push."""
+    """An engine never serves a half-updated model in silence: a weight missing from an update fails
+    the update, naming it (the engine's own parameter check), and a missing part of a fused weight
+    (q of vLLM's qkv_proj, whose name the update does set) fails the probe that follows every
+    push."""
     layout = Layout(False, trainers=1, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=False)
     trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
@@ -146,13 +125,16 @@ def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
     call(trainers, "leave_out", "model.layers.0.self_attn.q_proj.weight")
     call(trainers, "push")  # accepted: the engine's weight qkv_proj was set, in part
     with pytest.raises(
-        SystemExit, match=r"Engine#0 does not serve the weights just pushed: .* differ from the trainer"
+        SystemExit,
+        match=r"Engine#0 does not serve the weights just pushed: .* differ from the trainer",
     ):
         call(trainers, "check")
     call(trainers, "leave_out", None)
     call(trainers, "push")  # whole again: accepted, and the probe agrees
     call(trainers, "check")
-    call(trainers, "leave_out", "model.layers.1.mlp.down_proj.weight")  # last: a refused update ends a run
+    call(
+        trainers, "leave_out", "model.layers.1.mlp.down_proj.weight"
+    )  # last: a refused update ends a run
     with pytest.raises(SystemExit, match=r"^error: SyncTrainer#0 failed in push: .*set 13 of the engine's 14 weights; "
                                          r"missing: model\.layers\.1\.mlp\.down_proj\.weight$"):  # fmt: skip
         call(trainers, "push")
@@ -161,9 +143,10 @@ def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
     ray.util.remove_placement_group(pg)
 
 
-# GPU tier: the same check over nccl (trainer and engine on separate GPUs) and over CUDA IPC (colocated on one
-# GPU, the engine asleep while the trainer changes its weights). Weights travel and run in bf16 there, so the
-# tolerance is bf16's, and the perturbation is large enough that a missed update fails it.
+# GPU tier: the same check over nccl (trainer and engine on separate GPUs) and over CUDA IPC
+# (colocated on one GPU, the engine asleep while the trainer changes its weights). Weights travel
+# and run in bf16 there, so the tolerance is bf16's, and the perturbation is large enough that a
+# missed update fails it.
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
@@ -181,12 +164,19 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
         )  # fmt: skip
         addr, port = rendezvous_address(pg, 0)
         call(trainers, "init_sync", engines, backend, addr, port)
-        prompts = [encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 3?"}]) for a in range(4)]
+        prompts = [
+            encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 3?"}])
+            for a in range(4)
+        ]
         trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 0.8)
-        assert (trainer_lp - engine_lp).abs().mean() < TOLERANCE["logprob_mean"]  # bf16 on both sides
+        assert (trainer_lp - engine_lp).abs().mean() < TOLERANCE[
+            "logprob_mean"
+        ]  # bf16 on both sides
 
         if colocate:
-            call(engines, "sleep")  # as in training: the engine frees the GPU while the trainer updates
+            call(
+                engines, "sleep"
+            )  # as in training: the engine frees the GPU while the trainer updates
         call(trainers, "perturb", 0.05)
         if colocate:
             call(engines, "wake_up", ["weights"])
@@ -198,7 +188,8 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
         trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 0.8)
         assert (trainer_lp - engine_lp).abs().mean() < TOLERANCE["logprob_mean"]
 
-        # an update that leaves a weight out is refused by the engine (vLLM's own nccl/ipc backends, checked)
+        # an update that leaves a weight out is refused by the engine (vLLM's own nccl/ipc backends,
+        # checked)
         call(trainers, "leave_out", "model.layers.1.mlp.down_proj.weight")
         with pytest.raises(SystemExit, match=r"missing: model\.layers\.1\.mlp\.down_proj\.weight$"):
             call(trainers, "push")

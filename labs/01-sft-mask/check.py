@@ -13,10 +13,15 @@ from grader import Grader, expect, series  # noqa: E402
 g = Grader("01", "sft.py")
 m = g.load()
 
-with g.check("Args has a flag all_tokens, a bool, off by default", hint="add `all_tokens: bool = False` to Args"):
+with g.check(
+    "Args has a flag all_tokens, a bool, off by default",
+    hint="add `all_tokens: bool = False` to Args",
+):
     fields = {f.name: f for f in dataclasses.fields(m.Args)}
     expect("all_tokens" in fields, "Args has no field all_tokens")
-    expect(fields["all_tokens"].default is False, f"its default is {fields['all_tokens'].default!r}")
+    expect(
+        fields["all_tokens"].default is False, f"its default is {fields['all_tokens'].default!r}"
+    )
 
 with g.check(
     "make_sequence(ids, mask) still trains on the assistant's tokens only",
@@ -25,26 +30,29 @@ with g.check(
     out = m.make_sequence([10, 11, 12, 13, 14], [0, 0, 1, 1, 1])
     expect(out["labels"] == [11, 12, 13, 14, 0], f"labels {out['labels']}")
     expect(out["loss_mask"] == [0, 1, 1, 1, 0], f"loss_mask {out['loss_mask']}")
-    out = m.make_sequence([10, 11, 12, 13, 14, 15, 16], [0, 1, 1, 0, 0, 1, 1])  # two assistant turns
-    expect(out["loss_mask"] == [1, 1, 0, 0, 1, 1, 0], f"loss_mask of a two-turn row {out['loss_mask']}")
+    out = m.make_sequence([10, 11, 12, 13, 14, 15, 16], [0, 1, 1, 0, 0, 1, 1])  # two turns
+    expect(
+        out["loss_mask"] == [1, 1, 0, 0, 1, 1, 0], f"loss_mask of a two-turn row {out['loss_mask']}"
+    )
 
 with g.check(
-    "make_sequence(ids, mask, all_tokens=True) trains on every token that has a next token",
+    "all_token_targets(make_sequence(ids, mask)) trains on every token that has a next token",
     hint="every position t < T-1 predicts ids[t+1], prompt or not; the last position has nothing to predict",
 ):
-    out = m.make_sequence([10, 11, 12, 13, 14], [0, 0, 1, 1, 1], all_tokens=True)
+    out = m.all_token_targets(m.make_sequence([10, 11, 12, 13, 14], [0, 0, 1, 1, 1]))
+    expect(out["input_ids"] == [10, 11, 12, 13, 14], f"input_ids {out['input_ids']}")
     expect(out["labels"] == [11, 12, 13, 14, 0], f"labels {out['labels']}")
     expect(out["loss_mask"] == [1, 1, 1, 1, 0], f"loss_mask {out['loss_mask']}")
-    out = m.make_sequence([10, 11, 12, 13, 14, 15, 16], [0, 1, 1, 0, 0, 1, 1], all_tokens=True)
+    out = m.all_token_targets(m.make_sequence([10, 11, 12, 13, 14, 15, 16], [0, 1, 1, 0, 0, 1, 1]))
     expect(out["loss_mask"] == [1] * 6 + [0], f"loss_mask of a two-turn row {out['loss_mask']}")
 
 with g.check(
     "edge cases: a one-token row, and a row that is all prompt",
     hint="a single token predicts nothing; with all_tokens a row's targets do not depend on its assistant mask",
 ):
-    out = m.make_sequence([7], [1], all_tokens=True)
+    out = m.all_token_targets(m.make_sequence([7], [1]))
     expect(out["loss_mask"] == [0], f"one-token row: loss_mask {out['loss_mask']}")
-    out = m.make_sequence([7, 8, 9], [0, 0, 0], all_tokens=True)
+    out = m.all_token_targets(m.make_sequence([7, 8, 9], [0, 0, 0]))
     expect(out["loss_mask"] == [1, 1, 0], f"all-prompt row: loss_mask {out['loss_mask']}")
 
 if g.needs_run():
@@ -53,13 +61,19 @@ if g.needs_run():
     steps = [r for r in rows if "train/tokens" in r]
     with g.check(
         "the run trains on (almost) every token of its rows",
-        hint="is --all-tokens passed on to make_sequence for the training rows?",
+        hint="with --all-tokens, does main train on all_token_targets of the training rows?",
     ):
         # perf/tokens_per_s x time/step = the tokens of the step's rows; one position per row has no target
         row_tokens = [r["perf/tokens_per_s"] * r["time/step"] for r in steps]
         share = [r["train/tokens"] / t for r, t in zip(steps, row_tokens)]
-        expect(min(share) > 0.8, f"trained tokens / row tokens per step: {[round(s, 2) for s in share]}")
-    with g.check("the training loss falls", hint="look at train/loss in metrics.jsonl: is the learning rate > 0?"):
+        expect(
+            min(share) > 0.8,
+            f"trained tokens / row tokens per step: {[round(s, 2) for s in share]}",
+        )
+    with g.check(
+        "the training loss falls",
+        hint="look at train/loss in metrics.jsonl: is the learning rate > 0?",
+    ):
         loss = series(rows, "train/loss")
         expect(loss[-1] < loss[0], f"train/loss {[round(x, 3) for x in loss]}")
     with g.check(
@@ -67,5 +81,8 @@ if g.needs_run():
         hint="eval/loss should stay on the assistant's tokens (comparable between runs) and fall as the model learns",
     ):
         eval_loss = series(rows, "eval/loss")
-        expect(len(eval_loss) >= 2 and eval_loss[-1] < eval_loss[0], f"eval/loss {[round(x, 3) for x in eval_loss]}")
+        expect(
+            len(eval_loss) >= 2 and eval_loss[-1] < eval_loss[0],
+            f"eval/loss {[round(x, 3) for x in eval_loss]}",
+        )
 g.finish()

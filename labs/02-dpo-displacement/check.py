@@ -23,18 +23,26 @@ with g.check(
 ):
     loss = m.compute_dpo_loss(h, torch.zeros(3), beta=0.1)
     expect(
-        close(loss, [math.log1p(math.exp(-0.2)), math.log1p(math.exp(-0.1)), math.log1p(math.exp(0.3))]),
+        close(
+            loss,
+            [math.log1p(math.exp(-0.2)), math.log1p(math.exp(-0.1)), math.log1p(math.exp(0.3))],
+        ),
         f"losses {rounded(loss)} for h = [2, 1, -3], β = 0.1",
     )
     loss = m.compute_dpo_loss(torch.tensor([-400.0]), torch.tensor([0.0]), beta=1.0)
-    expect(torch.isfinite(loss).all() and close(loss, [400.0], 1e-3), f"loss {rounded(loss)} for β h = -400")
+    expect(
+        torch.isfinite(loss).all() and close(loss, [400.0], 1e-3),
+        f"loss {rounded(loss)} for β h = -400",
+    )
 
 with g.check(
     "compute_dpo_loss(..., label_smoothing=ε) is cDPO's -(1 - ε) log σ(β h) - ε log σ(-β h)",
     hint="cDPO treats each label as flipped with probability ε: a mixture of the loss of the pair and of its flip",
 ):
     loss = m.compute_dpo_loss(h, torch.zeros(3), beta=0.1, label_smoothing=0.1)
-    want = [0.9 * math.log1p(math.exp(-b)) + 0.1 * math.log1p(math.exp(b)) for b in (0.2, 0.1, -0.3)]
+    want = [
+        0.9 * math.log1p(math.exp(-b)) + 0.1 * math.log1p(math.exp(b)) for b in (0.2, 0.1, -0.3)
+    ]
     expect(close(loss, want), f"losses {rounded(loss)} for h = [2, 1, -3], β = 0.1, ε = 0.1")
 
 with g.check(
@@ -44,9 +52,14 @@ with g.check(
     loss = m.compute_dpo_loss(h, torch.zeros(3), beta=0.1, ipo=True)
     expect(close(loss, [9.0, 16.0, 64.0]), f"losses {rounded(loss)} for h = [2, 1, -3], β = 0.1")
 
-with g.check("Args has nll_coef (α), a float, 0 by default", hint="add a field nll_coef to Args, default 0.0"):
+with g.check(
+    "Args has nll_coef (α), a float, 0 by default", hint="add a field nll_coef to Args, default 0.0"
+):
     fields = {f.name: f for f in dataclasses.fields(m.Args)}
-    expect("nll_coef" in fields and fields["nll_coef"].default == 0.0, "no field nll_coef with default 0.0")
+    expect(
+        "nll_coef" in fields and fields["nll_coef"].default == 0.0,
+        "no field nll_coef with default 0.0",
+    )
 
 logprobs = torch.tensor([[-4.0, -6.0], [-3.0, -9.0]])  # (P, 2) summed log π_θ of (chosen, rejected)
 ref_logprobs = torch.tensor([[-5.0, -5.0], [-3.0, -8.0]])
@@ -57,7 +70,10 @@ with g.check(
     hint="Δ = logprobs - ref_logprobs per response; it returns (per-pair losses, implicit rewards β Δ)",
 ):
     losses, rewards = m.compute_loss(logprobs, ref_logprobs, lengths, m.Args(beta=0.1))
-    expect(close(losses, [math.log1p(math.exp(-0.2)), math.log1p(math.exp(-0.1))]), f"losses {rounded(losses)}")
+    expect(
+        close(losses, [math.log1p(math.exp(-0.2)), math.log1p(math.exp(-0.1))]),
+        f"losses {rounded(losses)}",
+    )
     expect(close(rewards, [[0.1, -0.1], [0.0, -0.1]]), f"rewards {rounded(rewards)}")
 
 with g.check(
@@ -70,7 +86,9 @@ with g.check(
         close(losses, [math.log1p(math.exp(-0.2)) + 1.0, math.log1p(math.exp(-0.1)) + 0.375]),
         f"losses {rounded(losses)} with α = 0.5",
     )
-    losses, _ = m.compute_loss(logprobs, ref_logprobs, lengths, m.Args(beta=0.1, nll_coef=0.5, ipo=True))
+    losses, _ = m.compute_loss(
+        logprobs, ref_logprobs, lengths, m.Args(beta=0.1, nll_coef=0.5, ipo=True)
+    )
     expect(close(losses, [10.0, 16.375]), f"losses {rounded(losses)} with α = 0.5 and IPO")
 
 with g.check(
@@ -84,7 +102,10 @@ with g.check(
     lp.grad = None
     m.compute_loss(lp, ref_logprobs, lengths, m.Args(beta=0.1))[0].sum().backward()
     diff = with_nll - lp.grad
-    expect(close(diff, [[-0.5, 0.0], [-0.25, 0.0]]), f"d(loss)/d(logprobs) changed by {rounded(diff)} with α = 1")
+    expect(
+        close(diff, [[-0.5, 0.0], [-0.25, 0.0]]),
+        f"d(loss)/d(logprobs) changed by {rounded(diff)} with α = 1",
+    )
 
 if g.needs_run():
     flags = ["--nll-coef", "1.0", "--num-steps", "6", "--eval-every", "6", "--accuracy-dataset", ""]
@@ -95,7 +116,10 @@ if g.needs_run():
     ):
         chosen = series(rows, "train/chosen_reward")
         expect(chosen[-1] > 0, f"train/chosen_reward {[round(x, 3) for x in chosen]}")
-    with g.check("the preference accuracy rises", hint="the DPO part of the loss must still separate the pairs"):
+    with g.check(
+        "the preference accuracy rises",
+        hint="the DPO part of the loss must still separate the pairs",
+    ):
         acc = series(rows, "eval/accuracy")
         expect(acc[-1] > acc[0], f"eval/accuracy {[round(x, 3) for x in acc]}")
 g.finish()

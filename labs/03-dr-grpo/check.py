@@ -21,7 +21,8 @@ with g.check(
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
     adv = m.compute_advantages(rewards, 4)
     expect(
-        close(adv, [0.75, -0.25, -0.25, -0.25, -0.5, 0.5, -0.5, 0.5]), f"{rounded(adv)} for G = 4, {rewards.tolist()}"
+        close(adv, [0.75, -0.25, -0.25, -0.25, -0.5, 0.5, -0.5, 0.5]),
+        f"{rounded(adv)} for G = 4, {rewards.tolist()}",
     )
     adv = m.compute_advantages(torch.tensor([0.2, 0.4, 0.9]), 3)
     expect(close(adv, [-0.3, -0.1, 0.4]), f"{rounded(adv)} for non-binary rewards [0.2, 0.4, 0.9]")
@@ -31,18 +32,29 @@ with g.check(
     hint="float32 means can be one ulp off (try [0.1] * 3): such a group must give exactly 0, not 1e-9",
 ):
     adv = m.compute_advantages(torch.tensor([0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 0.3, 0.7, 0.2]), 3)
-    expect((adv[:6] == 0).all().item(), f"{adv[:6].tolist()} for the groups [0.1] * 3 and [1.0] * 3")
+    expect(
+        (adv[:6] == 0).all().item(), f"{adv[:6].tolist()} for the groups [0.1] * 3 and [1.0] * 3"
+    )
     expect(close(adv[6:], [-0.1, 0.3, -0.2]), f"{rounded(adv[6:])} for the group [0.3, 0.7, 0.2]")
 
 with g.check(
-    "loss_weights(response_lengths, max_length): every token weighs 1 / (N * max_length)",
+    "loss_weights(response_lengths, args): every token weighs 1 / (N * args.max_response_length)",
     hint="Dr. GRPO: sum the token losses and divide by a constant, not by each response's own length",
 ):
-    weights = m.loss_weights([2, 3], 8)
-    expect([len(w) for w in weights] == [2, 3], f"lengths of the weight lists {[len(w) for w in weights]}")
-    expect(close(weights, [[1 / 16] * 2, [1 / 16] * 3]), f"{rounded(weights)} for lengths [2, 3], max_length 8")
-    weights = m.loss_weights([1, 4, 4, 24], 24)
-    expect(close(sum(map(sum, weights)), 33 / (4 * 24)), f"weights summing to {sum(map(sum, weights)):.4f}")
+    weights = m.loss_weights([2, 3], m.Args(max_response_length=8))
+    expect(
+        [len(w) for w in weights] == [2, 3],
+        f"lengths of the weight lists {[len(w) for w in weights]}",
+    )
+    expect(
+        close(weights, [[1 / 16] * 2, [1 / 16] * 3]),
+        f"{rounded(weights)} for lengths [2, 3], max_length 8",
+    )
+    weights = m.loss_weights([1, 4, 4, 24], m.Args(max_response_length=24))
+    expect(
+        close(sum(map(sum, weights)), 33 / (4 * 24)),
+        f"weights summing to {sum(map(sum, weights)):.4f}",
+    )
 
 if g.needs_run():
     flags = ["--num-steps", "6", "--num-minibatches", "2", "--eval-every", "6"]

@@ -21,7 +21,10 @@ with g.check(
     hint="two new fields in Args; with their defaults the script must still be grpo.py",
 ):
     fields = {f.name: f.default for f in dataclasses.fields(m.Args)}
-    expect(fields.get("clip_eps_high") == 0.2, f"clip_eps_high default {fields.get('clip_eps_high', '<missing>')!r}")
+    expect(
+        fields.get("clip_eps_high") == 0.2,
+        f"clip_eps_high default {fields.get('clip_eps_high', '<missing>')!r}",
+    )
     expect(
         fields.get("dynamic_sampling") is False,
         f"dynamic_sampling default {fields.get('dynamic_sampling', '<missing>')!r}",
@@ -37,7 +40,10 @@ with g.check(
     hint="with ε_high = ε the clip is symmetric, [1 - ε, 1 + ε], as in grpo.py",
 ):
     loss, clipped = m.compute_policy_loss(logprobs, old, advantages, 0.2, 0.2)
-    expect(close(loss, [-1.2, 1.25, 0.8, -0.7]), f"loss {rounded(loss)} for ratios [1.25, 1.25, 0.75, 0.7]")
+    expect(
+        close(loss, [-1.2, 1.25, 0.8, -0.7]),
+        f"loss {rounded(loss)} for ratios [1.25, 1.25, 0.75, 0.7]",
+    )
     expect(clipped.tolist() == [True, False, True, False], f"clipped {clipped.tolist()}")
 
 with g.check(
@@ -47,13 +53,40 @@ with g.check(
     loss, clipped = m.compute_policy_loss(logprobs, old, advantages, 0.2, 0.28)
     expect(close(loss, [-1.25, 1.25, 0.8, -0.7]), f"loss {rounded(loss)}")
     expect(clipped.tolist() == [False, False, True, False], f"clipped {clipped.tolist()}")
-    loss, clipped = m.compute_policy_loss(torch.tensor([math.log(1.5)]), torch.zeros(1), torch.ones(1), 0.2, 0.28)
+    loss, clipped = m.compute_policy_loss(
+        torch.tensor([math.log(1.5)]), torch.zeros(1), torch.ones(1), 0.2, 0.28
+    )
     expect(
         close(loss, [-1.28]) and clipped.tolist() == [True],
         f"ratio 1.5, Â = 1: loss {rounded(loss)}, clipped {clipped.tolist()}",
     )
 
-rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 1.0])
+values = {  # the micro-batch's per-token values as compute_loss gets them; TIS weight 1, w_t = 1/4
+    "old_logprobs": old,
+    "engine_logprobs": old,
+    "advantages": advantages,
+    "loss_weights": torch.full((4,), 0.25),
+}
+with g.check(
+    "compute_loss clips the ratio to [1 - ε, 1 + ε_high], from args.clip_eps and args.clip_eps_high",
+    hint="compute_policy_loss takes both ends of the clip: compute_loss must pass ε_high as the upper one",
+):
+    loss, stats = m.compute_loss(logprobs, values, m.Args(clip_eps=0.2, clip_eps_high=0.28))
+    clipped = stats["clipped_tokens"].item()
+    expect(
+        close(loss, 0.25 * (-1.25 + 1.25 + 0.8 - 0.7)) and clipped == 1,
+        f"loss {rounded(loss)}, {clipped:g} clipped tokens with ε = 0.2, ε_high = 0.28",
+    )
+    loss, stats = m.compute_loss(logprobs, values, m.Args(clip_eps=0.2, clip_eps_high=0.2))
+    clipped = stats["clipped_tokens"].item()
+    expect(
+        close(loss, 0.25 * (-1.2 + 1.25 + 0.8 - 0.7)) and clipped == 2,
+        f"loss {rounded(loss)}, {clipped:g} clipped tokens with ε = ε_high = 0.2",
+    )
+
+rewards = torch.tensor(
+    [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 1.0]
+)
 with g.check(
     "keep_groups(rewards, G, dynamic_sampling): all groups without it, only groups with a signal with it",
     hint="DAPO §3.2: a group whose G rewards are all equal has Â = 0 for every response: no signal",
@@ -62,13 +95,16 @@ with g.check(
     expect(kept.tolist() == [True] * 4, f"without dynamic sampling: {kept.tolist()}")
     kept = m.keep_groups(rewards, 4, True)
     expect(
-        kept.tolist() == [True, False, False, True], f"with dynamic sampling: {kept.tolist()} for {rewards.tolist()}"
+        kept.tolist() == [True, False, False, True],
+        f"with dynamic sampling: {kept.tolist()} for {rewards.tolist()}",
     )
 
 if g.needs_run():
-    base = ["--num-steps", "1", "--num-minibatches", "2", "--eval-every", "100", "--eval-dataset", ""]
+    base = ["--num-steps", "1", "--num-minibatches", "2", "--eval-every", "100"]
+    base += ["--eval-dataset", ""]
     settings = {"clip_eps_high": 0.2, "dynamic_sampling": False, "num_minibatches": 2}
-    sym = g.run(base, required=settings, parent_ok=True)  # the parent's run is the variant at its defaults
+    # the parent's run is the variant at its defaults
+    sym = g.run(base, required=settings, parent_ok=True)
     high = g.run([*base, "--clip-eps-high", "0.28"], required={**settings, "clip_eps_high": 0.28})
     dyn = g.run([*base, "--dynamic-sampling"], required={**settings, "dynamic_sampling": True})
     with g.check(
@@ -82,7 +118,14 @@ if g.needs_run():
         hint="fewer groups means fewer tokens trained: is keep_groups's answer used to pick the sequences?",
     ):
         share = series(dyn, "rollout/signal_groups")[0]
-        tokens = [series(r, "perf/train_tokens_per_s")[0] * series(r, "time/train")[0] for r in (sym, dyn)]
-        expect(0 < share < 1, f"rollout/signal_groups at step 1: {share:.3f}, so the check cannot tell")
-        expect(tokens[1] < 0.95 * tokens[0], f"trained {tokens[1]:.0f} tokens with it, {tokens[0]:.0f} without")
+        tokens = [
+            series(r, "perf/train_tokens_per_s")[0] * series(r, "time/train")[0] for r in (sym, dyn)
+        ]
+        expect(
+            0 < share < 1, f"rollout/signal_groups at step 1: {share:.3f}, so the check cannot tell"
+        )
+        expect(
+            tokens[1] < 0.95 * tokens[0],
+            f"trained {tokens[1]:.0f} tokens with it, {tokens[0]:.0f} without",
+        )
 g.finish()

@@ -24,14 +24,20 @@ with g.check(
     hint="δ_t = r_t + γ V_t+1 - V_t, with V = 0 after a response's last token (and on its padding)",
 ):
     adv, _ = m.compute_gae(rewards, values, mask, 1.0, 0.0, 0.0)
-    expect(close(adv, [[0.1, 0.1, 0.3], [-0.5, 1.5, 0.0]]), f"advantages {rounded(adv)} with γ = 1, λ = 0")
+    expect(
+        close(adv, [[0.1, 0.1, 0.3], [-0.5, 1.5, 0.0]]),
+        f"advantages {rounded(adv)} with γ = 1, λ = 0",
+    )
 
 with g.check(
     "compute_gae with λ = 1 gives Monte-Carlo returns minus V",
     hint="Â_t = δ_t + γλ Â_t+1, run backwards in t; nothing flows back from padding",
 ):
     adv, _ = m.compute_gae(rewards, values, mask, 1.0, 1.0, 1.0)
-    expect(close(adv, [[0.5, 0.4, 0.3], [1.0, 1.5, 0.0]]), f"advantages {rounded(adv)} with γ = 1, λ = 1")
+    expect(
+        close(adv, [[0.5, 0.4, 0.3], [1.0, 1.5, 0.0]]),
+        f"advantages {rounded(adv)} with γ = 1, λ = 1",
+    )
 
 with g.check(
     "compute_gae with γ = λ = 0.5 (a hand-computed case)",
@@ -39,17 +45,25 @@ with g.check(
 ):
     adv, ret = m.compute_gae(rewards[:1], values[:1], mask[:1], 0.5, 0.5, 0.5)
     expect(close(adv, [[-0.24375, -0.175, 0.3]]), f"advantages {rounded(adv, 5)}")
-    expect(close(ret, [[0.25625, 0.425, 1.0]]), f"returns {rounded(ret, 5)} (with λ_critic = λ = 0.5)")
+    expect(
+        close(ret, [[0.25625, 0.425, 1.0]]), f"returns {rounded(ret, 5)} (with λ_critic = λ = 0.5)"
+    )
 
 with g.check(
     "decoupled GAE: returns come from λ_critic, advantages from λ",
     hint="VC-PPO: the critic's targets R = Â(λ_critic) + V; with λ_critic = 1 they are the discounted returns",
 ):
     adv, ret = m.compute_gae(rewards[:1], values[:1], mask[:1], 0.5, 0.5, 1.0)
-    expect(close(adv, [[-0.24375, -0.175, 0.3]]), f"advantages {rounded(adv, 5)} (λ = 0.5, λ_critic = 1)")
+    expect(
+        close(adv, [[-0.24375, -0.175, 0.3]]),
+        f"advantages {rounded(adv, 5)} (λ = 0.5, λ_critic = 1)",
+    )
     expect(close(ret, [[0.25, 0.5, 1.0]]), f"returns {rounded(ret, 5)} (γ = 0.5, λ_critic = 1)")
     _, ret = m.compute_gae(rewards, values, mask, 1.0, 1.0, 0.0)
-    expect(close(ret, [[0.6, 0.7, 1.0], [0.5, 2.0, 0.0]]), f"returns {rounded(ret)} (γ = 1, λ_critic = 0)")
+    expect(
+        close(ret, [[0.6, 0.7, 1.0], [0.5, 2.0, 0.0]]),
+        f"returns {rounded(ret)} (γ = 1, λ_critic = 0)",
+    )
 
 with g.check(
     "masked_var(x, mask): the variance over the masked entries only",
@@ -59,7 +73,9 @@ with g.check(
         close(m.masked_var(torch.tensor([[1.0, 3.0, 5.0]]), torch.tensor([[1.0, 1.0, 0.0]])), 1.0),
         "wrong on [1, 3, (5)]",
     )
-    var = m.masked_var(torch.tensor([[2.0, 2.0], [2.0, 7.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    var = m.masked_var(
+        torch.tensor([[2.0, 2.0], [2.0, 7.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    )
     expect(close(var, 0.0), f"{var} on [[2, 2], [2, (7)]]")
 
 if g.needs_run():

@@ -14,10 +14,14 @@ g = Grader("06", "grpo.py")
 m = g.load()
 
 with g.check(
-    "Args has sync_every, an int, 1 by default", hint="add a field sync_every to Args; 1 keeps grpo.py as it is"
+    "Args has sync_every, an int, 1 by default",
+    hint="add a field sync_every to Args; 1 keeps grpo.py as it is",
 ):
     fields = {f.name: f.default for f in dataclasses.fields(m.Args)}
-    expect(fields.get("sync_every") == 1, f"sync_every default {fields.get('sync_every', '<missing>')!r}")
+    expect(
+        fields.get("sync_every") == 1,
+        f"sync_every default {fields.get('sync_every', '<missing>')!r}",
+    )
 
 with g.check(
     "should_sync(done, sync_every, num_steps): every sync_every steps, and after the last step",
@@ -40,7 +44,9 @@ if g.needs_run():
         hint="after step 1 the push must be skipped: step 2 then samples with the weights of step 0",
     ):
         fresh, stale = max(diff[0], diff[2]), min(diff[1], diff[3])
-        expect(stale > 10 * fresh, f"train/logprob_diff_mean per step {[round(x, 5) for x in diff]}")
+        expect(
+            stale > 10 * fresh, f"train/logprob_diff_mean per step {[round(x, 5) for x in diff]}"
+        )
     with g.check(
         "the TIS weights move away from 1 on the stale steps",
         hint="train/tis_weight is the mean of min(π_θold / π_vllm, C): 1 to float precision only when the engine is in sync",

@@ -19,16 +19,26 @@ with g.check(
     hint="versions holds one list of per-token weight versions per response of the group",
 ):
     group = [[3, 3, 4], [4, 4], [5]]
-    got = [m.is_stale(group, step, k) for step, k in ((4, 0), (4, 1), (5, 1), (5, 2), (6, 2), (6, 3))]
-    expect(got == [True, False, True, False, True, False], f"{got} for steps/K (4,0) (4,1) (5,1) (5,2) (6,2) (6,3)")
-    expect(not m.is_stale([[7], [7, 7]], 7, 0), "a group of the current version is stale with K = 0")
+    got = [
+        m.is_stale(group, step, k) for step, k in ((4, 0), (4, 1), (5, 1), (5, 2), (6, 2), (6, 3))
+    ]
+    expect(
+        got == [True, False, True, False, True, False],
+        f"{got} for steps/K (4,0) (4,1) (5,1) (5,2) (6,2) (6,3)",
+    )
+    expect(
+        not m.is_stale([[7], [7, 7]], 7, 0), "a group of the current version is stale with K = 0"
+    )
 
 with g.check(
     "lag_shares(lags, K): the share of the tokens at each lag 0..K",
     hint="one number per lag k = 0, 1, ..., K (K + 1 numbers) that sum to 1 when no token is older than K",
 ):
     shares = m.lag_shares(torch.tensor([0.0, 0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.0]), 2)
-    expect(close(shares, [0.625, 0.25, 0.125]), f"{rounded(shares)} for lags [0, 0, 1, 2, 1, 0, 0, 0], K = 2")
+    expect(
+        close(shares, [0.625, 0.25, 0.125]),
+        f"{rounded(shares)} for lags [0, 0, 1, 2, 1, 0, 0, 0], K = 2",
+    )
     shares = m.lag_shares(torch.tensor([0.0, 0.0]), 1)
     expect(close(shares, [1.0, 0.0]), f"{rounded(shares)} for lags [0, 0], K = 1")
 
@@ -40,9 +50,14 @@ if g.needs_run():
         "the run logs rollout/lag_share_0 .. rollout/lag_share_2 and they add up to 1 at every step",
         hint="log one metric per lag k = 0..K, named rollout/lag_share_<k>, from the per-token lags of the step",
     ):
-        expect(all(len(s) == len(shares[0]) >= 3 for s in shares), f"{[len(s) for s in shares]} values per lag")
+        expect(
+            all(len(s) == len(shares[0]) >= 3 for s in shares),
+            f"{[len(s) for s in shares]} values per lag",
+        )
         sums = [sum(step) for step in zip(*shares)]
-        expect(all(close(x, 1.0, 1e-6) for x in sums), f"sums per step {[round(x, 4) for x in sums]}")
+        expect(
+            all(close(x, 1.0, 1e-6) for x in sums), f"sums per step {[round(x, 4) for x in sums]}"
+        )
     with g.check(
         "the pipeline fills: step 1 is all lag 0, a later step trains on older tokens",
         hint="with K > 0 the engines sample the next batches while one trains: their tokens are versions behind",

@@ -1,0 +1,203 @@
+"""vLLM's side of the weight sync: a "gloo" backend for CPU, and a check that updates are whole.
+
+A weight update that leaves a weight unset is silent in vLLM: the layer keeps whatever its memory
+holds (after sleep level 2, garbage) and vLLM only logs a warning. `Whole` makes such an update
+fail instead, naming the first weight; the engines use every backend with it: "checked-gloo" (gloo
+below), "checked-nccl" and "checked-ipc" (vLLM's own, both CUDA-only).
+
+The gloo backend is registered with vLLM's two factories, so trainers drive it with the calls they
+use on GPU. Its group is trainer rank 0 (the sender, rank 0) plus every engine worker (ranks 1..).
+Tensors travel in packed chunks: both sides cut the same chunks from the same metadata, so only the
+bytes are sent. This module is imported in every vLLM worker through `worker_extension_cls` (the
+registration must happen in the process that builds the engine) and lazily by trainers."""
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer import base, factory
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+from vllm.model_executor.model_loader import reload
+
+CHUNK_BYTES = 256 * 2**20
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`): importing this module is its job."""
+
+
+class Whole:
+    """Mixed into a WeightTransferEngine: an update must set every parameter of the model or fail.
+    Every backend loads what it receives through the model's `load_weights`, which returns the names
+    of the parameters it set; their union is compared with the model's parameters when the update
+    finishes (as vLLM's reload_weights does, which only warns). KV-cache scales are left out."""
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self.received, model = set(), self.model
+        load = model.load_weights
+
+        def recording_load_weights(weights):  # the model's own, noting the names it set
+            names = load(weights)
+            self.received.update(names or ())
+            return names
+
+        model.load_weights = recording_load_weights
+
+    def finish_weight_update(self) -> None:
+        del self.model.load_weights  # the class's method again
+        super().finish_weight_update()
+        expected = {name.replace(".base_layer.", ".") for name, _ in self.model.named_parameters()}
+        missing = sorted(n for n in expected - self.received if not n.endswith(KV_SCALES))
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise RuntimeError(
+                f"the weight update set {len(expected) - len(missing)} of the engine's "
+                f"{len(expected)} weights; missing: {missing[0]}{more}"
+            )
+
+
+KV_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")  # checkpoints may lack them
+
+
+def gloo_group(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
+    """A gloo group outside torch.distributed's default group (the trainers have their own)."""
+    timeout = timedelta(minutes=10)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.PrefixStore("posttrain-weights", store)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def chunks(dtypes: list[str], shapes: list[list[int]]) -> list[list[int]]:
+    """Parameter indices in runs of one dtype and at most CHUNK_BYTES (a larger tensor alone)."""
+    out, size = [], 0
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
+        nbytes = getattr(torch, dtype).itemsize * torch.Size(shape).numel()
+        if not out or dtypes[out[-1][0]] != dtype or size + nbytes > CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += nbytes
+    return out
+
+
+@dataclass
+class GlooInitInfo(base.WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+
+@dataclass
+class GlooUpdateInfo(base.WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """Inference side: receive packed chunks by broadcast from rank 0, load by layerwise reload."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        rank = init_info.rank_offset + self.parallel_config.rank
+        addr, port = init_info.master_address, init_info.master_port
+        self.group = gloo_group(addr, port, rank, init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        # vLLM CPU repacks linear weights after loading; layerwise reload redoes that per layer.
+        reload.initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, info: GlooUpdateInfo) -> None:
+        for idx in chunks(info.dtype_names, info.shapes):
+            sizes = [torch.Size(info.shapes[i]).numel() for i in idx]
+            flat = torch.empty(sum(sizes), dtype=getattr(torch, info.dtype_names[idx[0]]))
+            self.group.broadcast([flat], dist.BroadcastOptions()).wait()
+            parts = zip(idx, flat.split(sizes))
+            self.model.load_weights([(info.names[i], p.view(info.shapes[i])) for i, p in parts])
+
+    def finish_weight_update(self) -> None:
+        reload.finalize_layerwise_reload(self.model, self.model_config)
+        lm_head = getattr(self.model, "lm_head", None)
+        # With tied embeddings vLLM CPU keeps a separately packed copy of the LM head; repack it
+        # from the reloaded embedding, or logprobs are off by 0.04-2 nats (measured).
+        tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
+        if tied and lm_head is not None:
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+@dataclass
+class GlooTrainerInitInfo(base.TrainerInitInfo):
+    backend: ClassVar[str] = "gloo"
+    master_address: str
+    master_port: int
+    world_size: int
+
+
+class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Trainer side: every rank iterates the source (FSDP gathers are collectives); rank 0 sends."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        # The workers block in init until the whole group has joined: join from here meanwhile.
+        if engine.is_sender:
+            addr, port, size = init_info.master_address, init_info.master_port, init_info.world_size
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                info = asdict(GlooInitInfo(addr, port, 1, size))
+                joined = pool.submit(client.init_weight_transfer_engine, info)
+                engine.group = gloo_group(addr, port, 0, size)
+                joined.result()
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:  # join the gathers that materialize each full tensor on rank 0
+                pass
+            return
+        dtypes = [str(m.dtype).split(".")[-1] for m in meta]
+        info = GlooUpdateInfo([m.name for m in meta], dtypes, [list(m.shape) for m in meta])
+        self.client.start_weight_update()
+        tensors = iter(self.source)
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers receive meanwhile
+            received = pool.submit(self.client.update_weights, asdict(info))
+            for idx in chunks(info.dtype_names, info.shapes):
+                flat = torch.cat([next(tensors)[1].detach().reshape(-1) for _ in idx])
+                self.group.broadcast([flat], dist.BroadcastOptions()).wait()
+            received.result()
+        self.client.finish_weight_update()
+
+
+class CheckedGloo(Whole, GlooWeightTransferEngine):
+    """The gloo backend (CPU), with the whole-update check."""
+
+
+class CheckedNCCL(Whole, NCCLWeightTransferEngine):
+    """vLLM's NCCL backend (engines on GPUs of their own), with the whole-update check."""
+
+
+class CheckedIPC(Whole, IPCWeightTransferEngine):
+    """vLLM's CUDA IPC backend (engines colocated with trainers), with the whole-update check."""
+
+
+factory.WeightTransferEngineFactory.register_engine("checked-gloo", CheckedGloo)
+factory.WeightTransferEngineFactory.register_engine("checked-nccl", CheckedNCCL)
+factory.WeightTransferEngineFactory.register_engine("checked-ipc", CheckedIPC)
+factory.WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)

@@ -1,0 +1,75 @@
+"""docs/variants.md's checklist, steps 1-4, on a copy of grpo.py: a Dr. GRPO variant (no std in the
+advantages, a constant loss normaliser, one new flag) written the way the checklist says is a tagged
+diff that leaves every TRY NOT TO MODIFY block alone, range-checks its flag, and trains on its new
+aggregation with the unchanged trainer. A checklist whose steps stopped working fails here."""
+
+import difflib
+import importlib.util
+import re
+
+import pytest
+import torch
+from conftest import REPO, tagged_diff
+from test_labs import plumbing_edits
+
+from common.errors import check_ranges, flag_ranges
+
+TAG = re.compile(r"# DRGRPO \(([a-z-]+)\)")
+EDITS = [  # (text of grpo.py, replacement): each hunk tagged, as step 3 asks
+    (
+        "    advantages = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)\n",
+        "    advantages = r - r.mean(dim=1, keepdim=True)  # DRGRPO (no-std): no division by std\n",
+    ),
+    (
+        "    n = len(response_lengths)\n    return [[1.0 / (n * length)] * length for length in "
+        "response_lengths]\n",
+        "    n = len(response_lengths)  # DRGRPO (constant-norm): 1/(n L_max), not 1/(n |o_i|)\n"
+        "    return [[1.0 / (n * args.norm_length)] * length for length in response_lengths]\n",
+    ),
+    (
+        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n',
+        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n'
+        '    norm_length: Annotated[int, ">= 1"] = 24  # DRGRPO (constant-norm): §3.2\n'
+        '    """L: the constant every response\'s token sum is divided by"""\n',
+    ),
+]
+
+
+def test_the_checklist_makes_a_variant_that_passes_the_variant_checks(tmp_path):
+    with open(f"{REPO}/grpo.py") as f:
+        text = f.read()
+    doc = text[: text.index('"""', 3) + 3]
+    variant = text.replace(
+        doc, '"""Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): grpo.py, unbiased."""'
+    )  # step 1
+    for old, new in EDITS:  # step 2: the math and a flag, nowhere else
+        assert text.count(old) == 1, old
+        variant = variant.replace(old, new)
+    path = tmp_path / "drgrpo.py"
+    path.write_text(variant)
+
+    changed, untagged, sections = tagged_diff("grpo.py", str(path), TAG)  # step 4
+    assert 0 < changed < 40 and not untagged and sections == {"no-std", "constant-norm"}
+    diff = difflib.unified_diff(text.splitlines(), variant.splitlines(), "a/grpo.py", "b/drgrpo.py",
+                                lineterm="")  # fmt: skip
+    (tmp_path / "drgrpo.diff").write_text("\n".join(diff) + "\n")
+    assert not plumbing_edits(f"{REPO}/grpo.py", str(tmp_path / "drgrpo.diff"))
+
+    spec = importlib.util.spec_from_file_location("drgrpo", path)
+    drgrpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drgrpo)
+    assert (
+        flag_ranges(drgrpo.Args)["norm_length"] == ">= 1"
+    )  # the new flag's range sits on the flag
+    with pytest.raises(SystemExit, match="--norm-length must be >= 1"):
+        check_ranges(drgrpo.Args(norm_length=0))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert drgrpo.compute_advantages(rewards, 4).tolist() == [0.75, -0.25, -0.25, -0.25]
+    args = drgrpo.Args(norm_length=8)
+    assert drgrpo.loss_weights([2, 4], args) == [[1 / 16] * 2, [1 / 16] * 4]
+    # the unchanged compute_loss applies the new weights to every token: the trainer needs no edit
+    weights = torch.tensor([w for row in drgrpo.loss_weights([2, 4], args) for w in row])
+    values = {"old_logprobs": torch.zeros(6), "engine_logprobs": torch.zeros(6),
+              "advantages": torch.ones(6), "loss_weights": weights}  # fmt: skip
+    loss, _ = drgrpo.compute_loss(torch.zeros(6), values, args)
+    assert loss.item() == pytest.approx(-6 / 16)
