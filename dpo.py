@@ -34,14 +34,13 @@ from typing import Annotated
 import ray
 import torch
 import torch.nn.functional as F
-import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the actor and the loop use.
 from common import checkpoint, data, memory, models, placement, ring_attn, tracking
-from common.errors import InputError, check_ranges
+from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
@@ -449,10 +448,13 @@ def main(args: Args):
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
-            call(trainers, "save", run.checkpoint_dir(done), done, True)
+            with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
+                call(trainers, "save", folder, done, True)
 
     # ---- teardown: final model in HF format ----
-    call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
+    # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
+    with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
+        call(trainers, "save", folder, args.num_steps, args.save_every > 0)
     for key, what in (("eval/accuracy", "preference"), ("eval/greedy_accuracy", "greedy")):
         if first and key in metrics:
             run.print(f"held-out {what} accuracy: {first[key]:.3f} -> {metrics[key]:.3f}")
@@ -542,6 +544,8 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     memory.check_run(args, use_gpu, model_path, reference=True)  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pairs = {split: encode_pairs(*rows, tokenizer, args) for split, rows in datasets.items()}
+    train, source = len(pairs["train"]), datasets["train"][1]
+    data.check_batch(args.batch_size, train, "--batch-size", source, "pairs")
     prompts = [data.encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
     return model_path, tokenizer, pairs, (accuracy_rows, prompts) if prompts else None
 
@@ -587,4 +591,4 @@ def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args(Args))

@@ -30,7 +30,6 @@ from typing import Annotated, NamedTuple
 
 import ray
 import torch
-import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common import checkpoint, data, memory, models, placement, tracking, weight_sync
 from common.data import response_values
 from common.engines import generate, spawn_engines
-from common.errors import InputError, check_ranges
+from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
@@ -219,9 +218,10 @@ def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.ones(rewards.numel() // group_size, dtype=torch.bool)
 
 
-def uses_reference(args: Args) -> bool:
-    """Whether the trainers hold a frozen reference π_ref: only for the KL term."""
-    return args.kl_coef > 0
+def frozen_models(args: Args) -> list[str]:
+    """The frozen copies of the starting model that the trainers hold, each named by the per-token
+    values it gives compute_loss: π_ref's log-probabilities, only for the KL term."""
+    return ["ref_logprobs"] if args.kl_coef > 0 else []
 
 
 def compute_policy_loss(logprobs, old_logprobs, advantages, eps_low: float, eps_high: float):
@@ -379,7 +379,7 @@ def make_sequence(prompt: list[int], response: list[int], **per_response) -> dic
 # TRY NOT TO MODIFY: the trainer actor (one per rank).
 @ray.remote
 class Trainer:
-    def __init__(self, args: Args, model_path: str, rank: int, world: int, addr: str, port: int):
+    def __init__(self, args: Args, model_path: str, ref_path: str, rank, world, addr, port):
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
@@ -387,11 +387,14 @@ class Trainer:
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        self.ref = None
-        if uses_reference(args):  # the frozen reference π_ref
-            self.ref = load_policy(model_path, self.device, gradient_checkpointing=False)
-            self.ref.eval().requires_grad_(False)
-            enable_ring_attention(self.ref, self.sp.group)
+        # π_ref: a frozen copy of the starting model (ref_path; model_path is the checkpoint on
+        # --resume), if the loss has a KL term
+        self.frozen = {
+            name: load_policy(ref_path, self.device, False) for name in frozen_models(args)
+        }
+        for frozen in self.frozen.values():
+            frozen.eval().requires_grad_(False)
+            enable_ring_attention(frozen, self.sp.group)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -427,8 +430,8 @@ class Trainer:
                 # every per-token value the loop gave make_sequence, at the response tokens
                 mb["values"] = values = response_values(mb)
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                if self.ref is not None:
-                    values["ref_logprobs"] = compute_logprobs(self.ref, *inputs, args.temperature)
+                for name, frozen in self.frozen.items():  # ref_logprobs: π_ref's
+                    values[name] = compute_logprobs(frozen, *inputs, args.temperature)
                 if not one_update:  # π_θold: the policy before this step's first update
                     values["old_logprobs"] = compute_logprobs(self.model, *inputs, args.temperature)
         self.model.train()
@@ -451,7 +454,8 @@ class Trainer:
                     stats["tokens"] += len(logprobs) * real
                     for key, value in token_stats.items():
                         stats[key] += value.item() * real
-                    if epoch == 0 and real and len(logprobs):  # trainer vs engine, the same weights
+                    # trainer vs engine, before any update: do they hold the same weights?
+                    if epoch == 0 and real and len(logprobs) and "engine_logprobs" in values:
                         diff = (values["old_logprobs"] - values["engine_logprobs"]).abs()
                         stats["logprob_diff_sum"] += diff.sum().item()
                         stats["logprob_diff_max"] = max(
@@ -496,7 +500,7 @@ def main(args: Args):
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
     model_path, tokenizer, prompts, reward_function = prepare_inputs(args, use_gpu)
-    trainers, engines = start_actors(args, use_gpu, resume_ckpt or model_path)
+    trainers, engines = start_actors(args, use_gpu, model_path, resume_ckpt)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)
@@ -527,7 +531,8 @@ def main(args: Args):
         ]  # fmt: skip
         run.log_samples(done, rows)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
-            call(trainers, "save", run.checkpoint_dir(done), done, True)
+            with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
+                call(trainers, "save", folder, done, True)
 
     # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     first = evaluate(0) if resume_step == 0 else {}
@@ -575,7 +580,9 @@ def main(args: Args):
         end_step(step + 1, metrics, batch, texts, rewards)
 
     # ---- teardown: final model in HF format ----
-    call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
+    # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
+    with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
+        call(trainers, "save", folder, args.num_steps, args.save_every > 0)
     if first and "eval/accuracy" in metrics:
         before, after = first["eval/accuracy"], metrics["eval/accuracy"]
         run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
@@ -673,11 +680,15 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     call_reward(reward_function, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
-    memory.check_run(args, use_gpu, model_path, uses_reference(args))  # a run that cannot fit stops
+    memory.check_run(
+        args, use_gpu, model_path, bool(frozen_models(args))
+    )  # a run that cannot fit stops
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()
     }
+    train, source = len(prompts["train"]), datasets["train"][1]
+    data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
     return model_path, tokenizer, prompts, reward_function
 
 
@@ -719,19 +730,20 @@ def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list
     return prompts
 
 
-def start_actors(args: Args, use_gpu: bool, model_path: str) -> tuple[list, list]:
-    """Start Ray, place the trainers and engines (common/placement.py's Layout), load `model_path`
-    in both (the model, or the checkpoint to resume), and connect them for the weight sync. Returns
-    (trainers, engines)."""
+def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None) -> tuple:
+    """Start Ray, place the trainers and engines (common/placement.py's Layout), load the policy in
+    both (the model, or the checkpoint to resume; π_ref is always the model), and connect them for
+    the weight sync. Returns (trainers, engines)."""
     layout = placement.Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate
     )
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
-    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, model_path)
+    policy = resume or model_path
+    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, policy, model_path)
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
-        pg, layout.engines, model_path=model_path, seed=args.seed, backend=backend,
+        pg, layout.engines, model_path=policy, seed=args.seed, backend=backend,
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
         use_gpu=use_gpu, sleep_mode=args.colocate,
         memory=memory.engine_memory(args) if use_gpu else 1.0,
@@ -742,4 +754,4 @@ def start_actors(args: Args, use_gpu: bool, model_path: str) -> tuple[list, list
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args(Args))

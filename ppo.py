@@ -34,21 +34,16 @@ from typing import Annotated, NamedTuple
 
 import ray
 import torch
-import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForSequenceClassification as AutoScoreModel  # critic, reward
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the actors and the loop use.
 from common import checkpoint, data, memory, models, placement, tracking, weight_sync
 from common.data import encode_example, response_values
 from common.engines import generate, spawn_engines
-from common.errors import InputError, check_ranges
+from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.memory import to_device, to_host
 from common.models import attn_implementation, empty_model, load_weights
@@ -237,8 +232,7 @@ def load_critic(path: str, device: torch.device, gradient_checkpointing: bool, p
     are the whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's
     default). Sharded like load_policy.
     """
-    auto = AutoModelForSequenceClassification
-    model = empty_model(auto, path, attn_implementation(device), num_labels=1)
+    model = empty_model(AutoScoreModel, path, attn_implementation(device), num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     if gradient_checkpointing:
@@ -249,7 +243,7 @@ def load_critic(path: str, device: torch.device, gradient_checkpointing: bool, p
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    missing = load_weights(model, AutoModelForSequenceClassification, path, device)
+    missing = load_weights(model, AutoScoreModel, path, device)
     if any(k.startswith("score.") for k in missing):
         with torch.no_grad():
             model.score.weight.zero_()  # each rank zeroes its shard
@@ -339,6 +333,13 @@ def compute_value_loss(predicted, old_values, returns, value_clip_eps: float):
     clipped_values = old_values + (predicted - old_values).clamp(-value_clip_eps, value_clip_eps)
     unclipped_loss, clipped_loss = (predicted - returns) ** 2, (clipped_values - returns) ** 2
     return 0.5 * torch.max(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
+
+
+def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
+    """Both losses' aggregation over one minibatch: a token mean, L = 1/Σ_i|o_i| Σ_i Σ_t ℓ_it. One
+    weight per token, so packed micro-batches on any number of ranks add up to exactly this."""
+    total = sum(response_lengths)
+    return [[1.0 / total] * length for length in response_lengths]
 
 
 def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
@@ -689,7 +690,7 @@ class RewardModel:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         torch.set_num_threads(os.cpu_count() or 1)  # Ray gives a num_cpus=1 actor one thread
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        model = AutoScoreModel.from_pretrained(path, num_labels=1, dtype=dtype)
         # offload: the hybrid engine is short of memory, so the model is on the GPU only to score
         self.model, self.offload = model.eval(), offload
         self.model.to("cpu" if offload else self.device)
@@ -744,12 +745,13 @@ def main(args: Args):
         _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, where, args)
         return {"eval/accuracy": rewards.mean().item()}
 
-    def save(done: int | str, with_optimizer: bool):
-        call(trainers, "save", run.checkpoint_dir(done), done, with_optimizer)
-        if with_optimizer:  # resumable: the critic and the adaptive β too
-            call(critics, "save", os.path.join(run.checkpoint_dir(done), "critic"), done, True)
-            with open(os.path.join(run.checkpoint_dir(done), "ppo_state.json"), "w") as f:
-                json.dump({"kl_coef": kl_coef}, f)
+    def save(step: int, name: str | None = None, with_optimizer: bool = True):
+        """A checkpoint, whole or absent: the policy, and to resume, the critic and adaptive β."""
+        with checkpoint.staged(run.checkpoint_dir(name or step), step) as folder:
+            call(trainers, "save", folder, step, with_optimizer)
+            if with_optimizer:
+                call(critics, "save", os.path.join(folder, "critic"), step, True)
+                checkpoint.write_json(os.path.join(folder, "ppo_state.json"), {"kl_coef": kl_coef})
 
     # ---- training loop: generate -> score -> π_θold, π_ref, V_old -> rewards, GAE -> train ----
     console = ("rollout/reward", "train/policy_loss", "train/value_loss", "train/kl")
@@ -774,8 +776,7 @@ def main(args: Args):
         if reward_model is not None:
             asked = [batch[i // n].text for i in range(len(texts))]
             full = [reward_model_input(tokenizer, q, t) for q, t in zip(asked, texts)]
-            scored = wait_all([reward_model.rewards.remote(full)], ["RewardModel#0"], "rewards")
-            scores = torch.tensor(scored[0])  # (B,)
+            scores = torch.tensor(call([reward_model], "rewards", full)[0])  # (B,)
         else:
             where = f"step {step + 1}"
             _, scores = score_responses(reward_function, batch, outs, tokenizer, where, args)
@@ -834,10 +835,10 @@ def main(args: Args):
         ]  # fmt: skip
         run.log_samples(done, rows)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
-            save(done, with_optimizer=True)
+            save(done)
 
-    # ---- teardown: final policy in HF format ----
-    save("final", with_optimizer=False)
+    # ---- teardown: final policy in HF format (resumable too with --save-every) ----
+    save(args.num_steps, "final", with_optimizer=args.save_every > 0)
     if first and "eval/accuracy" in metrics:
         before, after = first["eval/accuracy"], metrics["eval/accuracy"]
         run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
@@ -878,21 +879,21 @@ def score_responses(reward_function, batch: list, outs: list, tokenizer, where: 
 def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args: Args) -> tuple:
     """The step's sequences, built and packed once: the forward passes (π_θold, π_ref, V_old) and
     the training passes run on the same micro-batches. Responses in a seeded shuffle are dealt into
-    --num-minibatches minibatches, each token weighted 1 / (tokens of its minibatch), packed for
-    each group's data-parallel ranks. Returns shares[group][rank][minibatch] = micro-batches (group
-    0: the policy, 1: the critic); every response token carries its sequence and its place in the
-    response (seq_id, tok) for fill_token_values."""
+    --num-minibatches minibatches, each token weighted by loss_weights (the aggregation), packed
+    for each group's data-parallel ranks. Returns shares[group][rank][minibatch] = micro-batches
+    (group 0: the policy, 1: the critic); every response token carries its sequence and its place
+    in the response (seq_id, tok) for fill_token_values."""
     n, lengths = args.samples_per_prompt, [len(s["token_ids"]) for s in responses]
     seed = torch.Generator().manual_seed(args.seed + step)
     order = torch.randperm(len(responses), generator=seed).tolist()
     dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)
     shares = ([[] for _ in range(dp_sizes[0])], [[] for _ in range(dp_sizes[1])])
     for mini in [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]:
-        weight = 1.0 / sum(lengths[i] for i in mini)  # token mean over the minibatch, on any ranks
+        weights = loss_weights([lengths[i] for i in mini], args)
         seqs = [
             make_sequence(batch[i // n].ids, responses[i]["token_ids"], seq_id=[i] * lengths[i],
-                          tok=range(lengths[i]), loss_weights=[weight] * lengths[i])
-            for i in mini
+                          tok=range(lengths[i]), loss_weights=w)
+            for i, w in zip(mini, weights)
         ]  # fmt: skip
         for dp, share in zip(dp_sizes, shares):
             micros = data.split_for_ranks(seqs, dp, args.max_tokens_per_micro_batch)
@@ -950,8 +951,10 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     GPUs and the layout (too few GPUs: the hybrid engine, which it prints). Returns whether to use
     GPUs, and (run dir, checkpoint, step) to resume or None."""
     resume = checkpoint.check_resume(args.resume, args, script) if args.resume else None
-    if resume:
+    if resume:  # the critic and β resume too
         checkpoint.check(os.path.join(resume[1], "critic"))
+        if not os.path.isfile(os.path.join(resume[1], "ppo_state.json")):
+            raise InputError(f"--resume: {resume[1]} has no ppo_state.json (the adaptive β)")
     else:
         tracking.check_output_dir(args.output_dir)
     tracking.check_tracking(args.track)
@@ -992,6 +995,8 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     prompts = {
         split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()
     }
+    train, source = len(prompts["train"]), datasets["train"][1]
+    data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
     paths = {"policy": resume_ckpt or model_path, "reference": model_path}
     paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
     paths["reward_model"] = reward_model_path
@@ -1071,4 +1076,4 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args(Args))

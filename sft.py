@@ -23,14 +23,13 @@ from typing import Annotated
 
 import ray
 import torch
-import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the actor and the loop use.
 from common import checkpoint, data, memory, models, placement, ring_attn, tracking
-from common.errors import InputError, check_ranges
+from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
@@ -355,10 +354,13 @@ def main(args: Args):
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
-            call(trainers, "save", run.checkpoint_dir(done), done, True)
+            with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
+                call(trainers, "save", folder, done, True)
 
     # ---- teardown: final model in HF format ----
-    call(trainers, "save", run.checkpoint_dir("final"), args.num_steps, False)
+    # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
+    with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
+        call(trainers, "save", folder, args.num_steps, args.save_every > 0)
     if first and "eval/accuracy" in first:
         before, after = first["eval/accuracy"], metrics["eval/accuracy"]
         run.print(f"greedy accuracy on the held-out split: {before:.3f} -> {after:.3f}")
@@ -444,6 +446,8 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     memory.check_run(args, use_gpu, model_path)  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     sequences = {split: encode_rows(*rows, tokenizer, args) for split, rows in datasets.items()}
+    train, source = len(sequences["train"]), datasets["train"][1]
+    data.check_batch(args.batch_size, train, "--batch-size", source, "rows")
     prompts = [data.encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
     return model_path, tokenizer, sequences, (accuracy_rows, prompts) if prompts else None
 
@@ -494,4 +498,4 @@ def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args(Args))

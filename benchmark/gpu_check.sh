@@ -4,7 +4,8 @@
 #   bash benchmark/gpu_check.sh STEP          # from the repo root, on a machine with an NVIDIA GPU
 #
 #   0  environment: GPUs, driver, the Python and its pinned packages
-#   1  the test tiers that need the device: vLLM engines on the GPU and the GPU tier (pytest -m "engine or ... gpu")
+#   1  the GPU test tier (pytest -m gpu); `1 -m engine` the tests that start vLLM engines, `1 -m engine -k ppo` a part
+#      of them: engines start eager here (POSTTRAIN_EAGER=1: no CUDA-graph capture, minutes saved per start)
 #   2  grpo.py, 3 steps on the built-in model, default flags (one GPU: colocated, which it prints)
 #   3  the reference benchmark, colocated: 0.5B shape, 64 prompts x G = 8 x 512 tokens (target <= 19.9 s per step)
 #   4  with 2+ GPUs: the same batch split (trainer GPU 0, engine GPU 1) and grpo_async.py on those two GPUs
@@ -15,13 +16,14 @@
 # "step N: passed|FAILED|skipped ..."; a step can be re-run alone after a time limit. TRL 1.16's GRPOTrainer took
 # 24.1 s per step on the reference config on one H100 (pure vLLM generation 14.9 s, pure FSDP2 training 3.5 s).
 #
-# Python: $PYTHON if set; else python3 when it imports the pinned stack (no setup, no network, no hub: the
-# built-in model's wheel is part of the stack); else `make setup` and .venv/bin/python.
+# Python: $PYTHON if set (it must import the pinned stack); else python3 when it imports the pinned stack (no setup,
+# no network, no hub: the built-in model's wheel is part of the stack); else `make setup` and .venv/bin/python.
 # Environment: RESULTS (where results go), WORK (runs and models, default /tmp/posttrain-gpu), STEPS (benchmark
 # steps, default 5; the first is reported apart as warm-up).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 step=${1:?usage: bash benchmark/gpu_check.sh STEP (0-5 or report)}
+shift
 work=${WORK:-/tmp/posttrain-gpu}
 results=${RESULTS:-$work/results}
 steps=${STEPS:-5}
@@ -30,7 +32,12 @@ mkdir -p "$work" "$results"
 pinned='import torch, vllm, ray, transformers, tyro
 assert (torch.__version__.split("+")[0], vllm.__version__, ray.__version__, transformers.__version__) == \
     ("2.13.0", "0.32.0", "2.60.0", "5.19.0"), (torch.__version__, vllm.__version__, ray.__version__)'
-if [ -z "${PYTHON:-}" ]; then
+if [ -n "${PYTHON:-}" ]; then
+  if ! "$PYTHON" -c "$pinned" >/dev/null 2>&1; then
+    echo "error: \$PYTHON=$PYTHON does not import the pinned stack: $("$PYTHON" -c "$pinned" 2>&1 | tail -1)" >&2
+    exit 1
+  fi
+else
   if python3 -c "$pinned" >/dev/null 2>&1; then
     PYTHON=python3
   else
@@ -86,10 +93,11 @@ transformers.__version__, '| GPUs seen by torch:', torch.cuda.device_count())"
   verdict 0 "${PIPESTATUS[0]}" "environment ($gpus GPU(s), $PYTHON)"
   ;;
 1)
-  "$PYTHON" -m pytest tests -m "engine or cpu_engine or gpu" -rs --durations=15 2>&1 | tee "$results/1-tests.log"
+  [ $# -gt 0 ] || set -- -m gpu
+  POSTTRAIN_EAGER=1 "$PYTHON" -m pytest tests "$@" -rs --durations=15 2>&1 | tee "$results/1-tests.log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 5 ] && rc=0
-  verdict 1 "$rc" "tests on the device ($(grep -Eo '[0-9]+ (passed|failed|skipped)' "$results/1-tests.log" | paste -sd, -))"
+  verdict 1 "$rc" "tests on the device, $* ($(grep -Eo '[0-9]+ (passed|failed|skipped)' "$results/1-tests.log" | paste -sd, -))"
   ;;
 2)
   "$PYTHON" grpo.py --num-steps 3 --output-dir "$work/smoke" 2>&1 | tee "$results/2-smoke.log"

@@ -2,15 +2,16 @@
 is, plus trainer_state.pt for --resume) and final/, written by trainer rank 0 from the FSDP2 shards
 of every rank, and the checks that make --resume safe before anything starts."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import zipfile
 
-from common.errors import InputError
+from common.errors import InputError, RunError
 from common.models import check_weights
-from common.tracking import check_output_dir
+from common.tracking import check_output_dir, lock_run_dir
 
 
 def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool) -> None:
@@ -41,31 +42,72 @@ def load_optimizer(model, optimizer, path: str) -> None:
 
 
 def _write_hf_folder(model, tokenizer, state_dict: dict, path: str, trainer_state: dict | None):
-    """Write `state_dict` as an HF folder, atomically via a temp folder; `trainer_state` (optimizer,
-    step) goes to trainer_state.pt for --resume."""
+    """Write `state_dict` as an HF folder into `path` (a folder `staged` publishes whole, or never);
+    `trainer_state` (optimizer, step) goes to trainer_state.pt for --resume."""
     if model.config.tie_word_embeddings:  # gathered FSDP shards no longer share storage: one copy
         state_dict.pop("lm_head.weight", None)
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
+    model.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
     if trainer_state is not None:
         import torch
 
-        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+        torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
+
+
+@contextlib.contextmanager
+def staged(path: str, step: int):
+    """Write a checkpoint (every part of it: policy, critic, optimizer, script state) into a hidden
+    folder beside `path`, then publish it with one rename: a kill at any moment leaves `path` whole
+    or absent, never in parts. A failure removes the partial folder (and names a full disk)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        write_json(os.path.join(tmp, "checkpoint.json"), {"step": step})  # last: the rest is there
+        _sync(tmp)
+        old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
+        if os.path.exists(path):  # a re-save (final after --resume): the rename must not fail
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        free = shutil.disk_usage(tmp).free if os.path.isdir(tmp) else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = "No space left" in str(e) or (free is not None and free < 64 * 2**20)
+        if full and not isinstance(e, KeyboardInterrupt):
+            where = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.dirname(path))))
+            raise RunError(
+                f"no space left on the device to save {where} ({free / 2**20:.0f} MiB free): the "
+                "partial checkpoint was removed; the newest whole one stays resumable"
+            ) from None
+        raise
+
+
+def write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def _sync(folder: str) -> None:
+    """Flush a finished checkpoint's files to disk before the rename makes it visible."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
     """Resolve and check `--resume` before anything starts: (run_dir, checkpoint_dir, step).
 
-    The run must have been made by the same script and --model, end before --num-steps, and its
-    checkpoint must be whole (`check`); the run dir must be writable."""
+    The run must have been made by the same script and --model, no other live run may write in it
+    (tracking.lock_run_dir), its checkpoint must be whole (`check`) and before --num-steps, and the
+    run dir writable. Prints the step the run continues from."""
     run_dir, checkpoint, step = find_checkpoint(path)
-    if step >= args.num_steps:
-        before = f"not before --num-steps {args.num_steps}"
-        raise InputError(f"--resume: the checkpoint is at step {step}, {before}")
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
@@ -78,25 +120,58 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
     model = config["args"].get("model")
     if model != args.model:
         raise InputError(f"--resume: the run was made with --model {model}, not {args.model}")
+    lock_run_dir(run_dir)
+    if step >= args.num_steps:
+        more = "pass a larger --num-steps to continue it"
+        raise InputError(f"--resume: the checkpoint is at step {step}, not before --num-steps "
+                         f"{args.num_steps}: {more}")  # fmt: skip
     check(checkpoint)
     check_output_dir(run_dir)
+    where = os.path.relpath(checkpoint, os.path.dirname(run_dir))
+    print(f"resume: from {where}, step {step} of {args.num_steps}", flush=True)
     return run_dir, checkpoint, step
 
 
 def find_checkpoint(path: str) -> tuple[str, str, int]:
-    """`--resume` (a run dir or one of its checkpoints/step_N) -> (run_dir, checkpoint, step)."""
+    """`--resume` (a run dir, or one of its checkpoints/step_N or final) -> (run_dir, checkpoint,
+    step). A run dir resumes from its newest checkpoint, and only if that one is resumable: a run
+    whose final model kept no optimizer state (--save-every 0) is not silently rewound to an older
+    step_N, which would redo its last steps and overwrite its final model."""
     path = os.path.abspath(path.rstrip("/"))
     folder = os.path.join(path, "checkpoints")
     if os.path.isdir(folder):
-        steps = [d for d in os.listdir(folder) if re.fullmatch(r"step_\d+", d)]
-        if not steps:
-            raise InputError(f"--resume: {path} has no checkpoints/step_N to resume from")
-        path = os.path.join(folder, max(steps, key=lambda d: int(d[5:])))
-    name = os.path.basename(path)
-    if not re.fullmatch(r"step_\d+", name) or not os.path.isfile(f"{path}/trainer_state.pt"):
-        what = "a run dir or a checkpoints/step_N folder with trainer_state.pt"
+        names = [name for name in os.listdir(folder) if not name.startswith(".")]  # not partial
+        found = {name: checkpoint_step(os.path.join(folder, name)) for name in names}
+        found = {name: step for name, step in found.items() if step is not None}
+        if not found:
+            raise InputError(f"--resume: {path} has no checkpoint to resume from")
+        newest = max(found, key=lambda name: (found[name], name == "final"))
+        resumable = [n for n in found if os.path.isfile(f"{folder}/{n}/trainer_state.pt")]
+        if newest not in resumable:
+            older = max(resumable, key=found.get, default=None)
+            why = f"its newest checkpoint, {newest} (step {found[newest]}), has no optimizer state"
+            if older is None:
+                raise InputError(f"--resume: {path}: {why} (save with --save-every to resume)")
+            redo = f"resuming from {older} would redo steps {found[older] + 1}-{found[newest]}"
+            raise InputError(f"--resume: {path}: {why}; {redo} and replace it: pass "
+                             f"{folder}/{older} to do that")  # fmt: skip
+        path = os.path.join(folder, newest)
+    step = checkpoint_step(path)
+    if step is None or not os.path.isfile(f"{path}/trainer_state.pt"):
+        what = "a run dir or a checkpoint folder with trainer_state.pt"
         raise InputError(f"--resume: {path} is not {what}")
-    return os.path.dirname(os.path.dirname(path)), path, int(name[5:])
+    return os.path.dirname(os.path.dirname(path)), path, step
+
+
+def checkpoint_step(folder: str) -> int | None:
+    """The step a checkpoint folder holds: from its checkpoint.json (written last, when `staged`
+    publishes it), or from a step_N name; None for anything else (a partial folder)."""
+    try:
+        with open(os.path.join(folder, "checkpoint.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        name = os.path.basename(folder)
+        return int(name[5:]) if re.fullmatch(r"step_\d+", name) else None
 
 
 def check(checkpoint: str) -> None:

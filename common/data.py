@@ -249,6 +249,13 @@ def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]
 STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own fields, not values
 
 
+def check_batch(batch: int, available: int, flag: str, source: str, what: str) -> None:
+    """A step's batch is no larger than the data (after --drop-long): a step would repeat rows."""
+    if batch > available:
+        why = f"a step would repeat {what}; use at most {available}"
+        raise InputError(f"{flag} {batch} is more than the {available} {what} of {source}: {why}")
+
+
 def response_values(mb: dict, *names: str) -> dict:
     """The per-token values of a packed micro-batch at its response tokens (where loss_mask is 1,
     the positions compute_logprobs returns): {name: (N,)} for every (1, T) field but the row's own

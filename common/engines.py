@@ -69,7 +69,8 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu) ->
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
         max_model_len=max_model_len,
-        enforce_eager=not on_gpu,
+        # POSTTRAIN_EAGER=1 (tests, smoke checks): no CUDA-graph capture, minutes less per start
+        enforce_eager=not on_gpu or os.environ.get("POSTTRAIN_EAGER") == "1",
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
         weight_transfer_config=WeightTransferConfig(backend=ENGINE_BACKENDS[backend]),
@@ -153,8 +154,9 @@ class Engine:
         them to host RAM and back (level 1): the trainer sends every weight before the next run."""
         self.llm.sleep(level=2)
 
-    def wake_up(self, tags: list[str] | None = None):
-        self.llm.wake_up(tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Whether the engine is fully awake: vLLM resumes scheduling only then."""
+        return self.llm.wake_up(tags)
 
     def get_version(self) -> int:
         return self.version

@@ -6,9 +6,11 @@ non-finite gradient, a signal) raises RunError: the same one line, and the exit 
 which stops every actor; checkpoints already written stay. Flag ranges are declared on the flags
 themselves (`Annotated[int, ">= 1"]` in each script's Args) and checked here."""
 
+import atexit
 import math
 import operator
 import signal
+import sys
 import threading
 import typing
 
@@ -37,28 +39,101 @@ def flag_ranges(args_cls) -> dict[str, str]:
     return {name: rule for name, meta in extras.items() for rule in meta if isinstance(rule, str)}
 
 
+INT_MAX = 2**31 - 1  # what torch's and vLLM's int32 counters hold: no integer flag goes past it
+
+
 def check_ranges(args) -> None:
     """Every flag within the range declared on it in Args. None means unset. NaN and infinities are
-    rejected for every float flag (tyro parses "nan" and "inf" as floats)."""
+    rejected for every float flag (tyro parses "nan" and "inf" as floats), and integers past
+    INT_MAX for every integer flag."""
     for name, rule in flag_ranges(type(args)).items():
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if value is None:
             continue
         if isinstance(value, float) and not math.isfinite(value):
             raise InputError(f"{flag} must be a finite number (got {value})")
+        if isinstance(value, int) and abs(value) > INT_MAX:
+            raise InputError(f"{flag} must be at most {INT_MAX} (got {value})")
         for part in rule.split(","):
             op, bound = part.split()
             if not RULES[op](value, float(bound)):
                 raise InputError(f"{flag} must be {rule} (got {value})")
 
 
+def parse_args(args_cls, argv: list[str] | None = None):
+    """tyro.cli, with one `error:` line (exit status 1) where tyro would print a box and exit 2: a
+    flag that is not one of Args', a flag without its value, a number that is not one. Parsing the
+    command line (argv None), it also makes SIGTERM and Ctrl-C end the run with one line from here
+    on (stop_on_signals: before Ray starts too)."""
+    import dataclasses
+    import difflib
+
+    import tyro
+
+    if argv is None:
+        stop_on_signals()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hints = typing.get_type_hints(args_cls)
+    kinds = {"--" + f.name.replace("_", "-"): hints[f.name] for f in dataclasses.fields(args_cls)}
+    kinds |= {"--no-" + flag[2:]: bool for flag, kind in kinds.items() if kind is bool}
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        i += 1
+        if not flag.startswith("--") or flag == "--help":
+            continue  # -h, --help and anything else: tyro's
+        if flag not in kinds:
+            close = difflib.get_close_matches(flag, kinds, n=1)
+            maybe = f" (did you mean {close[0]}?)" if close else ""
+            raise InputError(f"no flag {flag}{maybe}; --help lists them")
+        if kinds[flag] is bool:
+            continue
+        if not eq:
+            if i == len(argv) or argv[i].startswith("--"):
+                raise InputError(f"{flag} needs a value")
+            value, i = argv[i], i + 1
+        _check_number(flag, kinds[flag], value)
+    return tyro.cli(args_cls, args=argv)
+
+
+def _check_number(flag: str, kind, value: str) -> None:
+    """A flag's value parses as the int or float its type says (or None where it may be None)."""
+    types = typing.get_args(kind) or (kind,)
+    if value == "None" and type(None) in types:
+        return
+    for number, what in ((int, "an integer"), (float, "a number")):
+        if number in types:
+            try:
+                number(value)
+            except ValueError:
+                raise InputError(f"{flag} takes {what} (got {value!r})") from None
+            return
+
+
 def stop_on_signals() -> None:
-    """SIGTERM and Ctrl-C end the run as a fault: one line, then Ray's shutdown stops the actors."""
+    """SIGTERM and Ctrl-C end the run as a fault, in every phase: exit status 1 and one line,
+    printed last, after Ray's shutdown (a preempted job's log ends saying why, even when every
+    process of the job got the signal, as SLURM and a terminal's Ctrl-C do, and the actors' last
+    words come first). The handler only exits: raised while the driver waits inside Ray (most of a
+    step), an exception's message would be lost. A second signal while the run stops is ignored."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig, what in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")):
 
         def stop(*_, what=what):
-            raise RunError(f"stopped by {what}")
+            if not _STOPPED:
+                _STOPPED.append(what)
+                atexit.register(_last_line, what)  # runs before Ray's own exit hook
+                raise SystemExit(1)
 
         signal.signal(sig, stop)
+
+
+_STOPPED: list[str] = []
+
+
+def _last_line(what: str) -> None:
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()  # stops every actor; what they print while stopping comes before the line
+    print(f"error: stopped by {what}", file=sys.stderr, flush=True)

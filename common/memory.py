@@ -138,7 +138,10 @@ def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
         ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked}),
     ]
     if job.critic is not None:
-        rows.append(("GPU 0", "training the critic", {**ctx, **idle, **ref, **critic_busy}))
+        waiting = {} if job.offload else rm  # the reward model, unless it waits in host RAM
+        rows.append(
+            ("GPU 0", "training the critic", {**ctx, **idle, **ref, **critic_busy, **waiting})
+        )
     return rows
 
 
@@ -181,11 +184,12 @@ def remedies(job: Job, capacity: float) -> list[str]:
 
 
 def gpu_capacity() -> float | None:
-    """Bytes of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, or nvidia-smi's for GPU 0 (which starts no CUDA
-    here), or None when neither is known (a driver without a GPU on a cluster)."""
+    """Bytes of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, or nvidia-smi's for the first visible GPU (it
+    starts no CUDA here), or None when neither is known (a driver without a GPU on a cluster)."""
     if os.environ.get("POSTTRAIN_GPU_MEMORY_GIB"):
         return float(os.environ["POSTTRAIN_GPU_MEMORY_GIB"]) * GiB
-    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"]
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"  # index or UUID
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first]
     try:
         out = subprocess.run(query, capture_output=True, text=True, timeout=30)
         return float(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
@@ -254,7 +258,7 @@ def engine_memory(args) -> float:
     """The engines' --engine-memory on GPU: as given, else 0.85 of their own GPU, 0.4 colocated."""
     if not hasattr(args, "num_engines"):
         return 0.0
-    return args.engine_memory or (0.4 if args.colocate else 0.85)
+    return args.engine_memory or (0.4 if getattr(args, "colocate", False) else 0.85)
 
 
 def to_host(model, optimizer=None) -> None:

@@ -62,21 +62,54 @@ def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart="
 
 
 def init_ray(num_bundles: int = 0) -> None:
-    """Start a local Ray with room for `num_bundles` bundles, or join the one at $RAY_ADDRESS."""
+    """Start a private local Ray with room for `num_bundles` bundles, or join the cluster at
+    $RAY_ADDRESS; say which, and name Ray processes alive here before this run (their memory)."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    alive = other_ray_processes()
+    if alive:
+        print(f"note: {len(alive)} Ray processes not of this run are alive here ({', '.join(alive[:4])}"
+              f"{', ...' if len(alive) > 4 else ''}): another run's, or a killed one's, which end within "
+              "a minute; `kill` them if you need their memory", flush=True)  # fmt: skip
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Actors import `common` and the scripts' modules: the repo is importable wherever they start.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     env = {"PYTHONPATH": pythonpath, **quiet, "TRANSFORMERS_VERBOSITY": "error"}
     opts = dict(runtime_env={"env_vars": env}, logging_level="ERROR")
-    if "RAY_ADDRESS" in os.environ:
-        ray.init(address=os.environ["RAY_ADDRESS"], **opts)
-    else:
+    if "RAY_ADDRESS" in os.environ:  # a cluster, joined on purpose
+        where = f"the Ray cluster at {os.environ['RAY_ADDRESS']} ($RAY_ADDRESS)"
+        try:
+            ray.init(address=os.environ["RAY_ADDRESS"], **opts)
+        except (ConnectionError, RuntimeError) as e:
+            # `ray start` makes a token-authenticated cluster; Ray's client sends the token only if told
+            auth = (
+                "Authentication" in repr(e.__cause__) and os.environ.get("RAY_AUTH_MODE") != "token"
+            )
+            hint = "; it wants its token: set RAY_AUTH_MODE=token" if auth else ""
+            raise InputError(f"could not join {where}: {str(e).splitlines()[0]}{hint}") from None
+    else:  # a private instance, also when someone's `ray start` runs on this machine
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token: it is ours alone
         num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # scheduling tokens, not cores
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **opts)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **opts)
+        where = "a private local Ray instance (set RAY_ADDRESS to join a cluster)"
+    nodes, gpus = len(ray.nodes()), int(ray.cluster_resources().get("GPU", 0))
+    print(f"ray: {where}: {nodes} node{'s' * (nodes > 1)}, {gpus} GPUs", flush=True)
+
+
+def other_ray_processes() -> list[str]:
+    """ "ray::Engine (pid 123)" for each Ray worker process on this machine (Linux): before this run
+    starts Ray, they are another run's, or the leftovers of a driver killed with SIGKILL."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                name = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if name.startswith("ray::"):
+            found.append(f"{name} (pid {pid})")
+    return found
     # After ray.init, which installs its own: one line, then the exit's ray.shutdown stops actors.
     stop_on_signals()
 

@@ -10,8 +10,10 @@ runs/<exp_name>__<seed>__<unix time>/
 import dataclasses
 import importlib.metadata
 import json
+import math
 import netrc
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,17 +31,23 @@ class Run:
 
     def __init__(self, args, run_dir: str | None = None, resume_step: int = 0):
         new_dir = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        if run_dir is None and os.path.exists(os.path.join(args.output_dir, new_dir)):
+            new_dir += f"_{os.getpid()}"  # two runs started in the same second
         # Absolute: trainer rank 0 writes the checkpoints, from its own working directory (or node)
         self.dir = os.path.abspath(run_dir or os.path.join(args.output_dir, new_dir))
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
+        lock_run_dir(self.dir)
         self.metrics_path = os.path.join(self.dir, "metrics.jsonl")
-        if resume_step:  # forget rows logged after the checkpoint we resume from
-            rows = []
-            if os.path.exists(self.metrics_path):
-                with open(self.metrics_path) as f:
+        if resume_step:  # forget what was logged after the checkpoint we resume from, in every file
+            for name in [n for n in os.listdir(self.dir) if n.endswith(".jsonl")]:
+                with open(os.path.join(self.dir, name)) as f:
                     rows = [json.loads(line) for line in f if line.strip()]
-            with open(self.metrics_path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= resume_step)
+                kept = [r for r in rows if r.get("step", 0) <= resume_step]
+                with open(os.path.join(self.dir, name), "w") as f:
+                    f.writelines(_json_line(r) for r in kept)
+            for name in os.listdir(os.path.join(self.dir, "checkpoints")):  # a killed save's
+                if name.endswith((".partial", ".old")):
+                    shutil.rmtree(os.path.join(self.dir, "checkpoints", name), ignore_errors=True)
         config = {"args": dataclasses.asdict(args), "script": os.path.basename(sys.argv[0]),
                   "argv": sys.argv, "versions": _versions(), "git_sha": _git_sha()}  # fmt: skip
         name = "config.json" if not resume_step else f"config.resume_{resume_step}.json"
@@ -63,7 +71,7 @@ class Run:
         plain = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}  # no tensors
         row = {"step": step, **plain}
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(_json_line(row))
         if self.wandb is not None:
             self.wandb.log(row, step=step)
         if console_keys:
@@ -75,8 +83,7 @@ class Run:
 
     def log_samples(self, step: int, rows: list[dict]):
         with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
-            for r in rows:
-                f.write(json.dumps({"step": step, **r}) + "\n")
+            f.writelines(_json_line({"step": step, **r}) for r in rows)
 
     def print(self, line: str):
         if self.bar is not None:
@@ -93,6 +100,32 @@ class Run:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+_LOCKS: dict[str, int] = {}  # run dir -> the open lock file this process holds until it exits
+
+
+def lock_run_dir(run_dir: str) -> None:
+    """One writer per run dir: an exclusive flock on <run dir>/.lock, held until this process ends
+    (the kernel drops it with the process, so a crash leaves no stale lock). A second run that
+    would write in the same dir (a requeued job beside the old one) stops naming the live one."""
+    import fcntl
+    import socket
+
+    run_dir = os.path.abspath(run_dir)
+    if run_dir in _LOCKS:
+        return
+    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        why = f"is in use by a live run ({holder}): one writer per run dir"
+        raise InputError(f"{run_dir} {why}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    _LOCKS[run_dir] = fd
 
 
 def check_output_dir(path: str) -> None:
@@ -129,6 +162,19 @@ def check_tracking(track: bool) -> None:
     if not login:
         fix = "run `wandb login`, set WANDB_API_KEY or WANDB_MODE=offline"
         raise InputError(f"--track: no Weights & Biases login; {fix}")
+
+
+def _json_line(row: dict) -> str:
+    """One row of a .jsonl file, strict JSON: a NaN or infinite number is written as null."""
+    return json.dumps(_finite(row), allow_nan=False) + "\n"
+
+
+def _finite(v):
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return [_finite(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
 def _fmt(key: str, value) -> str:

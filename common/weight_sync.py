@@ -32,8 +32,10 @@ def sync_weights(trainers: list, engines: list, colocated: bool) -> None:
     if colocated:
         call(engines, "wake_up", ["weights"])
     call(trainers, "push_weights")
-    if colocated:
-        call(engines, "wake_up", ["kv_cache"])
+    if colocated:  # an engine that is not fully awake schedules nothing: its generate would hang
+        for i, awake in enumerate(call(engines, "wake_up", ["kv_cache"])):
+            if not awake:
+                raise RunError(f"{actor_name(engines[i])}#{i} is still asleep after its wake-up")
     call(trainers, "check_weights")
 
 

@@ -227,21 +227,21 @@ def parity_reward(tmp_path) -> str:
 def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 1):
     """Resume the finished run `run_dir` (made by `script` with `flags` and --save-every) from
     checkpoints/step_N: the steps after N must log exactly what the uninterrupted run logged
-    (timings aside)."""
+    (timings aside), once: every per-step file rolls back to step N first."""
     before = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
+    assert any(r["step"] > step for r in samples)  # there is something to roll back
     result = run_script(
         script, *flags, "--resume", os.path.join(run_dir, "checkpoints", f"step_{step}")
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resume: from {os.path.basename(run_dir)}/checkpoints/step_{step}, step {step} of" in (
+        result.stdout
+    )
     after = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in after] == [r["step"] for r in before]
-    resampled = read_jsonl(os.path.join(run_dir, "samples.jsonl"))[
-        len(samples) :
-    ]  # appended by the resumed run
-    assert resampled == [
-        r for r in samples if r["step"] > step
-    ]  # the same responses, token for token
+    # the same responses, token for token, each step's once
+    assert read_jsonl(os.path.join(run_dir, "samples.jsonl")) == samples
 
     def numbers(row):
         return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}

@@ -58,7 +58,7 @@ def run(monkeypatch, tmp_path, tiny_model):
         module = importlib.import_module(name)
         monkeypatch.setattr(placement, "init_ray", tripwire)
         data = flags_value(flags, "--dataset") or write_rows(
-            tmp_path / "data.jsonl", rows or [GOOD_ROW[name]] * 4
+            tmp_path / "data.jsonl", rows or [GOOD_ROW[name]] * 16
         )
         out = tmp_path / "runs"
         argv = [
@@ -203,11 +203,8 @@ def test_rows_with_null_or_missing_fields_name_the_row(run, name):
 
 @pytest.mark.parametrize("name", RL)
 def test_numeric_answers_are_accepted(run, name):
-    run(
-        name,
-        rows=[{**GOOD_ROW[name], "answer": 2}, {**GOOD_ROW[name], "answer": 2.0}],
-        reach_ray=True,
-    )
+    rows = [{**GOOD_ROW[name], "answer": 2}, {**GOOD_ROW[name], "answer": 2.0}]
+    run(name, "--prompts-per-step", "2", rows=rows, reach_ray=True)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -222,7 +219,7 @@ def test_sft_counts_rows_without_an_assistant_turn(run, capsys):
         "messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]
     }
     silent = {"messages": [{"role": "user", "content": "1 + 1?"}]}
-    run("sft", rows=[good, silent, good, silent], reach_ray=True)
+    run("sft", "--batch-size", "2", rows=[good, silent, good, silent], reach_ray=True)
     assert "2 of 4 rows have no assistant turn; they are skipped" in capsys.readouterr().out
 
 
@@ -367,7 +364,97 @@ def test_resume_checks(run, tmp_path, tiny_model, name):
     )
     assert "not before --num-steps 1" in message
     os.remove(tmp_path / "d" / "old_run" / "checkpoints" / "step_1" / "trainer_state.pt")
-    assert "trainer_state.pt" in run(name, "--resume", str(tmp_path / "d" / "old_run"))
+    assert "has no optimizer state" in run(name, "--resume", str(tmp_path / "d" / "old_run"))
+    # another script's run is named as such, whatever its step
+    message = run(name, "--resume", fake_run(tmp_path / "e", f"{other}.py", tiny_model),
+                  "--num-steps", "1")  # fmt: skip
+    assert f"was made by {other}.py, not {name}.py" in message
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_finished_run_is_extended_from_its_end_or_refused(run, tmp_path, tiny_model, name):
+    """Resuming a finished run continues from its final checkpoint when it kept the optimizer
+    state (--save-every > 0), and says which step it continues from; without it, the resume is
+    refused rather than rewound to an older step_N (which would redo steps and replace the final
+    model), naming the step_N to pass for that on purpose."""
+    run_dir = fake_run(tmp_path / "a", f"{name}.py", tiny_model, ppo_critic=name == "ppo")
+    final = os.path.join(run_dir, "checkpoints", "final")
+    shutil.copytree(os.path.join(run_dir, "checkpoints", "step_1"), final)
+    (tmp_path / "a" / "old_run" / "checkpoints" / "final" / "checkpoint.json").write_text(
+        json.dumps({"step": 3})
+    )
+    os.remove(os.path.join(final, "trainer_state.pt"))
+    message = run(name, "--resume", run_dir, "--num-steps", "5")
+    assert "final (step 3), has no optimizer state" in message
+    assert "resuming from step_1 would redo steps 2-3" in message
+    assert os.path.join(run_dir, "checkpoints", "step_1") in message
+    shutil.copy(os.path.join(run_dir, "checkpoints", "step_1", "trainer_state.pt"), final)
+    message = run(name, "--resume", run_dir, "--num-steps", "3")
+    assert "the checkpoint is at step 3, not before --num-steps 3: pass a larger" in message
+
+
+def test_resume_says_which_step_it_continues_from(run, tmp_path, tiny_model, capsys):
+    run_dir = fake_run(tmp_path, "sft.py", tiny_model)
+    run("sft", "--resume", run_dir, "--num-steps", "4", reach_ray=True)
+    assert "resume: from old_run/checkpoints/step_1, step 1 of 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_step_batch_larger_than_the_data_is_refused(run, name):
+    flag = "--prompts-per-step" if name in RL else "--batch-size"
+    message = run(name, flag, "17")  # the data has 16 rows
+    assert f"{flag} 17 is more than the 16" in message and "use at most 16" in message
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_flags_that_do_not_parse_get_one_line(name):
+    """What tyro answers with a box and exit status 2 gets one `error:` line (the scripts' own
+    parse_args); integers past INT_MAX are out of range like any other value."""
+    from common.errors import parse_args
+
+    module = importlib.import_module(name)
+    cases = [
+        (["--num-steps", "1.5"], "--num-steps takes an integer (got '1.5')"),
+        (["--learning-rate", "abc"], "--learning-rate takes a number (got 'abc')"),
+        (["--num-stepz", "3"], "no flag --num-stepz (did you mean --num-steps?)"),
+        (["--seed"], "--seed needs a value"),
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as e:
+            parse_args(module.Args, argv)
+        assert e.value.code.startswith(f"error: {expected}"), e.value.code
+    args = parse_args(module.Args, ["--seed", str(10**20)])
+    with pytest.raises(SystemExit, match=r"^error: --seed must be at most 2147483647 \(got 1000"):
+        module.validate_args(args)
+
+
+def test_one_writer_per_run_dir(tmp_path, tiny_model):
+    """A second run that would write in a run dir a live run holds is refused, naming it; when the
+    holder dies (SIGKILL: no cleanup), its lock goes with it."""
+    run_dir = fake_run(tmp_path, "sft.py", tiny_model)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from common.tracking import lock_run_dir; "
+         f"lock_run_dir({run_dir!r}); print('locked', flush=True); time.sleep(300)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "locked"
+    argv = [
+        sys.executable,
+        "sft.py",
+        "--model",
+        tiny_model,
+        "--resume",
+        run_dir,
+        "--num-steps",
+        "1",
+    ]
+    second = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert second.returncode == 1, second.stderr[-2000:]
+    assert f"is in use by a live run (pid {holder.pid} on" in second.stderr
+    holder.kill()
+    holder.wait()
+    second = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert "not before --num-steps 1" in second.stderr, second.stderr[-2000:]  # past the lock
 
 
 def test_ppo_resume_needs_the_critic_checkpoint(run, tmp_path, tiny_model):

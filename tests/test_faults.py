@@ -49,7 +49,7 @@ class Run:
     """grpo.py (or `script`) in the background; `wait_for(text)` reads its stdout until a line
     contains text."""
 
-    def __init__(self, model, out, *flags, script="grpo.py"):
+    def __init__(self, model, out, *flags, script="grpo.py", common=FLAGS):
         self.marker = uuid.uuid4().hex
         env = dict(os.environ, PYTHONUNBUFFERED="1", POSTTRAIN_TEST_RUN=self.marker)
         argv = [
@@ -59,10 +59,10 @@ class Run:
             model,
             "--output-dir",
             str(out),
-            *FLAGS,
+            *common,
         ]
         self.proc = subprocess.Popen([*argv, *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
     def wait_for(self, text: str, timeout: float = 300):
         deadline = time.monotonic() + timeout
@@ -90,6 +90,7 @@ class Run:
             self.proc.kill()
             raise AssertionError(f"the run did not end within {within} s") from None
         stderr = self.proc.stderr.read()
+        self.last_line = stderr.strip().splitlines()[-1] if stderr.strip() else ""
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
         deadline = time.monotonic() + 30
@@ -127,13 +128,47 @@ def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, act
     assert status == 1 and f"{actor}#0 died during" in error, error
 
 
-@pytest.mark.engine
-def test_sigterm_stops_the_run_and_its_actors(tiny_model, tmp_path):
-    run = Run(tiny_model, tmp_path, "--num-steps", "50")
-    run.wait_for("run dir:")
-    run.proc.send_signal(signal.SIGTERM)
+# A signal ends a run in any phase with exit status 1 and one line, the log's last, and no process
+# left: to the driver alone (`kill`), or to every process of the job at once, as SLURM's SIGTERM and
+# a terminal's Ctrl-C send it (the actors and Ray's own processes get it too). Before Ray starts,
+# while the driver waits inside Ray (where an exception's message would be lost), while it trains.
+@pytest.mark.parametrize(
+    "script,when,sig,everyone",
+    [
+        pytest.param("grpo.py", "run dir:", signal.SIGTERM, False, marks=pytest.mark.engine),
+        ("dapo.py", "", signal.SIGTERM, True),  # before Ray: importing --reward-fn
+        ("sft.py", "step 1 ", signal.SIGINT, True),
+        pytest.param("ppo.py", "step 1 ", signal.SIGTERM, True, marks=pytest.mark.engine),
+    ],
+    ids=["grpo-kill-waiting-in-ray", "dapo-slurm-before-ray", "sft-ctrl-c-training",
+         "ppo-slurm-in-a-step"],
+)  # fmt: skip
+def test_a_signal_ends_the_run_with_one_last_line(
+    tiny_model, tmp_path, script, when, sig, everyone
+):
+    flags = ("--num-steps", "50")
+    if script == "sft.py":
+        common = ("--batch-size", "4", "--eval-every", "100")
+    elif not when:  # the reward file's import sleeps: the driver is busy before Ray starts
+        (tmp_path / "slow.py").write_text("import time\ntime.sleep(300)\ndef r(a, b): return 0.0\n")
+        common, flags = FLAGS, (*flags, "--reward-fn", f"{tmp_path / 'slow.py'}:r")
+    elif script == "ppo.py":  # it samples --samples-per-prompt responses
+        common = tuple(f.replace("num-generations", "samples-per-prompt") for f in FLAGS)
+    else:
+        common = FLAGS
+    run = Run(tiny_model, tmp_path / "runs", *flags, script=script, common=common)
+    if when:
+        run.wait_for(when)
+    else:
+        time.sleep(8)  # the imports, then the sleeping reward file
+    if everyone:
+        os.killpg(run.proc.pid, sig)
+    else:
+        run.proc.send_signal(sig)
     status, error = run.finish(within=60)
-    assert status == 1 and error == "error: stopped by SIGTERM"
+    what = "SIGTERM" if sig == signal.SIGTERM else "Ctrl-C"
+    assert status == 1 and error == f"error: stopped by {what}"
+    assert run.last_line == error  # after whatever the actors printed while they stopped
 
 
 @pytest.mark.engine
@@ -210,8 +245,7 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
                                    old_values=[0.0] * 2, loss_weights=[0.5] * 2)  # fmt: skip
         call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
     elif name in ("grpo", "dapo", "ppo"):
-        paths = (tiny_model, tiny_model) if name == "ppo" else (tiny_model,)
-        actor = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
+        actor = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
         extra = {"old_logprobs": [-1.0] * 2} if name == "ppo" else {"engine_logprobs": [-1.0] * 2}
         seq = module.make_sequence(
             [5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2, **extra

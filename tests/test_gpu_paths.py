@@ -17,7 +17,6 @@ from conftest import REPO
 
 from common import models as common_model
 from common.data import split_for_ranks
-from common.weight_sync import WeightSync
 
 SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
 
@@ -92,24 +91,6 @@ def test_flash_attention_only_where_it_runs(monkeypatch, capability, installed, 
     assert common_model.attn_implementation(torch.device("cpu")) == "sdpa"
 
 
-def test_push_waits_for_the_optimizer_step_and_frees_the_cache(monkeypatch):
-    events = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("synchronize"))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-
-    class Transfer:
-        def send_weights(self):
-            events.append("send_weights")
-
-    WeightSync(Transfer(), True, None, [], torch.float32).push()
-    assert events == ["synchronize", "send_weights", "empty_cache"]
-    events.clear()
-    # no engine on this GPU: the next step reuses the cache
-    WeightSync(Transfer(), False, None, [], torch.float32).push()
-    assert events == ["synchronize", "send_weights"]
-
-
 def one_micro_batch(module, **per_token):
     seq = module.make_sequence([5, 6, 7], [8, 9], **{k: [v, v] for k, v in per_token.items()})
     return split_for_ranks([seq], 1, 64)  # [rank 0: [micro-batch]]
@@ -124,10 +105,7 @@ def test_colocated_trainer_frees_cuda_cache_after_train_step(
     module = importlib.import_module(name)
     addr, port = one_rank_group
     args = module.Args(colocate=True, learning_rate=1e-4)
-    paths = (
-        (tiny_model, tiny_model) if name == "ppo" else (tiny_model,)
-    )  # ppo.py: policy and reference
-    trainer = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
+    trainer = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
     extra = {"old_logprobs": -1.0} if name == "ppo" else {"engine_logprobs": -1.0}
     micro_batches = one_micro_batch(module, advantages=1.0, loss_weights=0.5, **extra)
     freed = []
@@ -183,3 +161,15 @@ def test_gpu_check_has_its_steps_and_refuses_without_a_gpu(tmp_path):
         ["bash", script, "report"], capture_output=True, text=True, env=env, timeout=60
     )
     assert out.returncode == 0
+    # a given Python without the pinned stack is named, not used (nor replaced by a set-up)
+    fake = tmp_path / "python-without-vllm"
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    out = subprocess.run(
+        ["bash", script, "0"], capture_output=True, text=True, env={**env, "PYTHON": str(fake)},
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"error: $PYTHON={fake} does not import the pinned stack: ModuleNotFoundError: No module "
+        "named 'vllm'"
+    ]

@@ -112,7 +112,7 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     )  # fmt: skip
     layout = Layout(False, trainers=2, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=False)
-    trainers = spawn_trainers(grpo.Trainer, pg, layout.trainers, args, path)
+    trainers = spawn_trainers(grpo.Trainer, pg, layout.trainers, args, path, path)
     engines = spawn_engines(
         pg,
         layout.engines,
@@ -178,13 +178,15 @@ def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(
         "1",
         "--reward-fn",
         parity_reward(tmp_path),
+        "--kl-coef",  # the resumed run's π_ref is the start model, not the checkpoint it loads
+        "0.1",
     )
     flags = grpo_args(tiny_model, tmp_path / "runs", *extra)
     result = run_script("grpo.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["train/kl"] > 0
     assert (
         rows[-1]["train/logprob_diff_max"] < 1e-4
     )  # step 2 sampled from the weights pushed after step 1

@@ -266,9 +266,10 @@ def test_end_to_end_run_then_resume_on_policy_until_the_engine_dies(tiny_model, 
     assert status == 1 and "AsyncEngine#0 died during" in error, error
     metrics = check_run(run_dir, range(1, 5), max_lag=1)  # rows 3-4 replaced by the resumed run's
     assert all(r["rollout/lag_max"] == 0 and r["rollout/dropped_groups"] == 0 for r in metrics[2:])
-    resumed = read_jsonl(os.path.join(run_dir, "samples.jsonl"))[
-        4 * 8 :
-    ]  # after the first run's 4 steps x 8
+    # the first run's rows after step 2 were rolled back: steps 3-4 are the resumed run's, once
+    samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
+    assert [s["step"] for s in samples][:32] == [1] * 8 + [2] * 8 + [3] * 8 + [4] * 8
+    resumed = [s for s in samples if s["step"] > 2]
     for step in (3, 4):  # sampled by the weights of the step that trained them
         assert {v for s in resumed if s["step"] == step for v in s["versions"]} == {step - 1}
 

@@ -201,9 +201,8 @@ def test_the_plumbing_check_can_fail(tmp_path):
     diff = "\n".join(difflib.unified_diff(lines, edited, "a/grpo.py", "b/grpo.py", lineterm=""))
     with open(os.path.join(tmp_path, "edit.diff"), "w") as f:
         f.write(diff + "\n")
-    assert [round(w) for w, _ in plumbing_edits(os.path.join(REPO, "grpo.py"), f.name)] == [
-        step + 1
-    ] * 2
+    found = [w for w, _ in plumbing_edits(os.path.join(REPO, "grpo.py"), f.name)]  # - and +
+    assert len(found) == 2 and all(abs(w - (step + 1)) <= 0.5 for w in found), (found, step + 1)
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,9 @@ def test_the_hybrid_engine_parks_idle_models_only_when_that_makes_it_fit(shapes)
     assert not any(k.startswith(("critic", "reward")) for k in parked["generating"])
     with pytest.raises(SystemExit, match="does not fit"):
         memory.check(job, 40 * GiB)
+    # not parked, the reward model stays on the GPU in every phase, the critic's training included
+    resident = dict((phase, parts) for _, phase, parts in memory.needs(job, H100))
+    assert all("reward model" in parts for parts in resident.values()), resident.keys()
 
 
 def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model):
@@ -143,6 +146,21 @@ def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model)
         memory.check_run(args, False, tiny_model, reference=False) is False
     )  # CPU: nothing planned
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"])
+def test_every_script_is_planned_from_its_own_defaults(monkeypatch, capsys, tiny_model, name):
+    """Each script's Args, as its validate_args leaves them, plans on a (pretended) 80 GB GPU: a flag
+    the plan reads that a script lacks (grpo_async.py has no --colocate) must not crash the GPU path
+    that the CPU never takes."""
+    import importlib
+
+    module = importlib.import_module(name)
+    args = module.Args(model=tiny_model)
+    module.validate_args(args)
+    monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "80")
+    memory.check_run(args, True, tiny_model)
+    assert re.fullmatch(r"memory plan: .*: fits.*\n", capsys.readouterr().out)
 
 
 def test_a_parked_model_trains_on_as_before(one_rank_group, tiny_model):

@@ -380,6 +380,7 @@ def test_grpo_on_two_nodes_trainer_and_engine_apart(tiny_model, tmp_path):
                  "4", "--max-response-length", "8", "--engine-memory", "0.25", "--num-steps", "2")  # fmt: skip
         result = run_script("grpo.py", *flags, env={"RAY_ADDRESS": cluster.address})
         assert result.returncode == 0, result.stderr[-3000:]
+        assert f"ray: the Ray cluster at {cluster.address} ($RAY_ADDRESS): 2 nodes" in result.stdout
         line = next(
             x for x in result.stdout.splitlines() if x.startswith("placement: bundle -> node: ")
         )
@@ -394,3 +395,48 @@ def test_grpo_on_two_nodes_trainer_and_engine_apart(tiny_model, tmp_path):
         )  # step 2 sampled with the weights sent across nodes
     finally:
         cluster.shutdown()
+
+
+def test_a_ray_started_on_the_machine_is_left_alone_or_joined_on_purpose(tiny_model, tmp_path):
+    """Someone ran `ray start` here (docs/cluster.md's recipe does; it makes a token-authenticated
+    cluster). Without RAY_ADDRESS a script starts a private instance beside it and says so (Ray
+    would otherwise try to join it and refuse the script's CPU count with a traceback), leaving it
+    running; with RAY_ADDRESS and its token it joins it, and says that instead."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen(
+        [ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in head.stdout:
+            if "block forever" in line:
+                break
+        flags = ("--model", tiny_model, "--output-dir", str(tmp_path), "--num-steps", "1",
+                 "--batch-size", "4", "--eval-every", "100")  # fmt: skip
+        alone = subprocess.run([sys.executable, "sft.py", *flags], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        assert (
+            "ray: a private local Ray instance (set RAY_ADDRESS to join a cluster)" in alone.stdout
+        )
+        assert head.poll() is None  # theirs still runs
+        code = "from common import placement; placement.init_ray()"
+        joined = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token"},
+        )  # fmt: skip
+        assert joined.returncode == 0, joined.stderr[-3000:]
+        assert f"ray: the Ray cluster at 127.0.0.1:{port} ($RAY_ADDRESS): 1 node" in joined.stdout
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # `ray start` and everything it started
+        head.wait()

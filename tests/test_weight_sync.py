@@ -143,6 +143,36 @@ def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
     ray.util.remove_placement_group(pg)
 
 
+@ray.remote(num_cpus=0)
+class SleepyEngine:
+    """A stand-in colocated engine whose last wake-up leaves it asleep (vLLM then schedules nothing)."""
+
+    def wake_up(self, tags):
+        return False
+
+
+@ray.remote(num_cpus=0)
+class NoOpTrainer:
+    def push_weights(self):
+        pass
+
+    def check_weights(self):
+        pass
+
+
+def test_an_engine_left_asleep_is_named_not_waited_on(ray_cpu):
+    """Colocated, vLLM resumes scheduling only when an engine is fully awake: one that is not would
+    make the next generate hang until the RPC timeout; sync_weights names it instead."""
+    from common.weight_sync import sync_weights
+
+    engine, trainer = SleepyEngine.remote(), NoOpTrainer.remote()
+    with pytest.raises(
+        SystemExit, match=r"^error: SleepyEngine#0 is still asleep after its wake-up$"
+    ):
+        sync_weights([trainer], [engine], colocated=True)
+    sync_weights([trainer], [engine], colocated=False)  # apart: no sleep, no wake-up
+
+
 # GPU tier: the same check over nccl (trainer and engine on separate GPUs) and over CUDA IPC
 # (colocated on one GPU, the engine asleep while the trainer changes its weights). Weights travel
 # and run in bf16 there, so the tolerance is bf16's, and the perturbation is large enough that a
