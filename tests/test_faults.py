@@ -14,8 +14,9 @@ import uuid
 
 import pytest
 import torch
-from conftest import REPO, only_run_dir, read_jsonl
+from conftest import REPO, only_run_dir, read_jsonl, run_script
 
+from common import checkpoint
 from common.data import split_for_ranks
 from common.models import check_weights
 from common.rewards import call_reward
@@ -272,3 +273,107 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
     assert all(torch.equal(a, b) for a, b in zip(before, after)), (
         "the optimizer stepped on NaN gradients"
     )
+
+
+def test_a_full_disk_stops_a_save_cleanly_and_the_run_resumes_after(tiny_model, tmp_path):
+    """On a real size-limited filesystem (a tmpfs of 120 MiB: one resumable checkpoint of the tiny
+    model fits, two do not) sft.py's second save fails: one line that says the disk is full, no
+    partial folder left, step_1 whole. With room again, --resume continues from step_1 (every
+    per-step file rolled back: each step logged once), and a finished run resumed with a larger
+    --num-steps continues from its final checkpoint."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=120m", "tmpfs", str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root (skipped: not run)")
+    try:
+        flags = ("--model", tiny_model, "--output-dir", str(disk / "runs"), "--batch-size", "4",
+                 "--learning-rate", "1e-3", "--max-new-tokens", "4", "--eval-every", "100",
+                 "--save-every", "1")  # fmt: skip
+        full = run_script("sft.py", *flags, "--num-steps", "3")
+        run_dir = only_run_dir(disk / "runs")
+        name = os.path.basename(run_dir)
+        assert full.returncode == 1 and full.stderr.strip().splitlines()[-1].startswith(
+            f"error: no space left on the device to save {name}/checkpoints/step_2 ("
+        ), full.stderr[-3000:]
+        assert full.stderr.strip().endswith(
+            "the partial checkpoint was removed; the newest whole one stays resumable"
+        )
+        assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]
+        check_weights(os.path.join(run_dir, "checkpoints", "step_1"), "checkpoint")
+        subprocess.run(["mount", "-o", "remount,size=400m", str(disk)], check=True)
+        resumed = run_script("sft.py", *flags, "--num-steps", "3", "--resume", run_dir)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resume: from {name}/checkpoints/step_1, step 1 of 3" in resumed.stdout
+        extended = run_script("sft.py", *flags, "--num-steps", "4", "--resume", run_dir)
+        assert extended.returncode == 0, extended.stderr[-3000:]
+        assert f"resume: from {name}/checkpoints/final, step 3 of 4" in extended.stdout
+        rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # each step once
+        checkpoints = os.path.join(run_dir, "checkpoints")
+        assert sorted(os.listdir(checkpoints)) == ["final", "step_1", "step_2"]
+        assert checkpoint.checkpoint_step(os.path.join(checkpoints, "final")) == 4
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_checkpoint_killed_while_it_is_written_is_absent_not_partial(tmp_path, tiny_model):
+    """checkpoint.staged (every script's saves, ppo.py's policy + critic + β in one): a SIGKILL after
+    some of the parts were written leaves no step folder; --resume finds the previous whole one, and
+    the next run cleans the hidden partial folder away."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    code = (
+        "import os, shutil, signal, sys\n"
+        "from common import checkpoint\n"
+        "model, path = sys.argv[1], sys.argv[2]\n"
+        "with checkpoint.staged(path, 2) as folder:\n"
+        "    shutil.copytree(model, folder, dirs_exist_ok=True)  # the policy: written\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)  # before the critic and the state\n"
+    )
+    step_2 = run_dir / "checkpoints" / "step_2"
+    out = subprocess.run([sys.executable, "-c", code, tiny_model, str(step_2)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    assert not step_2.exists() and (run_dir / "checkpoints" / ".step_2.partial").is_dir()
+    with pytest.raises(SystemExit, match="has no checkpoint to resume from"):
+        checkpoint.find_checkpoint(str(run_dir))  # the partial one is not taken for a checkpoint
+
+
+def test_metrics_files_are_strict_json(tmp_path):
+    """A NaN or infinite metric is written as null: every line parses with a strict JSON parser."""
+    import json
+
+    import sft
+    from common.tracking import Run
+
+    run = Run(sft.Args(output_dir=str(tmp_path)), str(tmp_path / "run"))
+    run.log(1, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "ok": 1.5})
+    run.log_samples(1, [{"reward": float("-inf")}])
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert strict(f.read()) == {
+            "step": 1,
+            "train/loss": None,
+            "train/grad_norm": None,
+            "ok": 1.5,
+        }
+    with open(tmp_path / "run" / "samples.jsonl") as f:
+        assert strict(f.read()) == {"step": 1, "reward": None}
+
+
+def test_ray_processes_of_another_run_are_named_before_ray_starts(tmp_path):
+    """A driver killed with SIGKILL leaves Ray processes behind for a while; the next run's start-up
+    names any it finds (here a stand-in called ray::Engine) before it starts its own Ray."""
+    standin = subprocess.Popen(["bash", "-c", "exec -a ray::Engine sleep 120"])
+    try:
+        time.sleep(0.5)
+        code = "from common import placement; print(placement.other_ray_processes())"
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert f"ray::Engine (pid {standin.pid})" in out.stdout, out.stdout + out.stderr
+    finally:
+        standin.kill()
