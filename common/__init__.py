@@ -1,4 +1,1 @@
-"""Plumbing shared by the posttrain scripts: Ray placement, vLLM engines, weight sync, data, runs.
-
-The algorithms live in the top-level scripts; nothing here contains training math.
-"""
+"""Plumbing shared by the posttrain scripts; the algorithms (all training math) live in them."""

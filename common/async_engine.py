@@ -3,7 +3,6 @@ weights between two decoding steps while requests stream in and out (PipelineRL'
 update). Its arguments, environment and start-up are common/engines.py's."""
 
 import asyncio
-import os
 import time
 import uuid
 
@@ -21,27 +20,20 @@ class AsyncEngine:
     by default, every running request is preempted and its prompt + tokens so far are prefilled
     again with the new weights: the tokens after the update are sampled by exactly the new policy
     (what the trainer can recompute). With `keep_old_kv` (PipelineRL), the KV cache computed by the
-    old weights is kept: no re-prefill, but the new tokens attend to old-weight keys and values.
-    Prompts carry `cache_salt` = the version: no request reuses an older version's cached blocks."""
+    old weights is kept: no re-prefill, but the new tokens attend to old-weight keys and values."""
 
-    def __init__(
-        self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode, keep_old_kv=False
-    ):
-        import torch
+    def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
+                 keep_old_kv=False):  # fmt: skip
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        on_gpu = torch.cuda.is_available()
-        if not on_gpu:
-            torch.set_num_threads(os.cpu_count() or 1)
         assert not sleep_mode, "AsyncEngine never sleeps: it generates while the trainers train"
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu)
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory)
         # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output task joins.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
         self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
         self.stats = {"tokens": 0, "idle_s": 0.0, "paused_s": 0.0}  # running totals: get_stats
-        # (what, start, end) in wall-clock seconds: "idle" (no request) and "paused" (an update)
-        self.intervals = []
+        self.intervals = []  # (what, start, end), wall clock: "idle" (no request) or "paused"
         self.idle_since, self.paused_at = time.time(), None
 
     async def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
@@ -65,10 +57,8 @@ class AsyncEngine:
             for span in c.weight_versions or []:  # [start, end) sampled by `version` ("default": 0)
                 version = int(span.version.replace("default", "0"))
                 versions[span.start : span.end] = [version] * (span.end - span.start)
-            reason = c.finish_reason
-            return dict(
-                token_ids=token_ids, logprobs=logprobs, finish_reason=reason, versions=versions
-            )
+            return dict(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason,
+                        versions=versions)  # fmt: skip
 
         if self.requests == 0:  # the engine had nothing to do since idle_since
             self._interval("idle", self.idle_since)
@@ -97,8 +87,6 @@ class AsyncEngine:
 
     async def start_weight_update(self):
         self.paused_at = time.time()
-        # Waits for the decoding step in progress; running requests stay. Without keep_old_kv they
-        # are preempted and prefilled again after the resume (and the prefix cache is emptied).
         await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
         await self.llm.start_weight_update()
 

@@ -24,7 +24,6 @@ class TorchBlocks:
         if cu is None:
             return s
         idx = torch.arange(q.shape[0], device=q.device)
-        # the segment of each token
         seg = torch.bucketize(idx, torch.tensor(cu[1:-1], device=q.device), right=True)
         allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
         return s.masked_fill(~allowed, float("-inf"))

@@ -11,12 +11,13 @@ import zipfile
 
 from common.errors import InputError, RunError
 from common.models import check_weights
-from common.tracking import check_output_dir, lock_run_dir
+from common.tracking import check_output_dir, lock_run_dir, write_json
 
 
 def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool) -> None:
     """Called on every rank of an FSDP2 group: all gather the full state dict (a collective, to
     CPU); rank 0 writes an HF folder (model + tokenizer) and, for --resume, the optimizer state."""
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict as sd
 
@@ -24,8 +25,12 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
     state = sd.get_model_state_dict(model, options=opts)
     optim = sd.get_optimizer_state_dict(model, optimizer, options=opts) if with_optimizer else None
     if dist.get_rank() == 0:
-        trainer_state = {"optimizer": optim, "step": step} if optim else None
-        _write_hf_folder(model, tokenizer, state, path, trainer_state)
+        if model.config.tie_word_embeddings:  # gathered shards no longer share storage: one copy
+            state.pop("lm_head.weight", None)
+        model.save_pretrained(path, state_dict=state)
+        tokenizer.save_pretrained(path)
+        if optim:
+            torch.save({"optimizer": optim, "step": step}, os.path.join(path, "trainer_state.pt"))
     dist.barrier()
 
 
@@ -41,19 +46,6 @@ def load_optimizer(model, optimizer, path: str) -> None:
     set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=opts)
 
 
-def _write_hf_folder(model, tokenizer, state_dict: dict, path: str, trainer_state: dict | None):
-    """Write `state_dict` as an HF folder into `path` (a folder `staged` publishes whole, or never);
-    `trainer_state` (optimizer, step) goes to trainer_state.pt for --resume."""
-    if model.config.tie_word_embeddings:  # gathered FSDP shards no longer share storage: one copy
-        state_dict.pop("lm_head.weight", None)
-    model.save_pretrained(path, state_dict=state_dict)
-    tokenizer.save_pretrained(path)
-    if trainer_state is not None:
-        import torch
-
-        torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
-
-
 @contextlib.contextmanager
 def staged(path: str, step: int):
     """Write a checkpoint (every part of it: policy, critic, optimizer, script state) into a hidden
@@ -65,7 +57,10 @@ def staged(path: str, step: int):
     try:
         yield tmp
         write_json(os.path.join(tmp, "checkpoint.json"), {"step": step})  # last: the rest is there
-        _sync(tmp)
+        for root, _, files in os.walk(tmp):  # on disk before the rename makes the folder visible
+            for name in files:
+                with open(os.path.join(root, name), "rb") as f:
+                    os.fsync(f.fileno())
         old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
         if os.path.exists(path):  # a re-save (final after --resume): the rename must not fail
             shutil.rmtree(old, ignore_errors=True)
@@ -78,35 +73,14 @@ def staged(path: str, step: int):
         full = "No space left" in str(e) or (free is not None and free < 64 * 2**20)
         if full and not isinstance(e, KeyboardInterrupt):
             where = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.dirname(path))))
-            raise RunError(
-                f"no space left on the device to save {where} ({free / 2**20:.0f} MiB free): the "
-                "partial checkpoint was removed; the newest whole one stays resumable"
-            ) from None
+            raise RunError(f"no space left on the device to save {where} ({free / 2**20:.0f} MiB "
+                           "free): the partial checkpoint was removed; the newest whole one stays "
+                           "resumable") from None  # fmt: skip
         raise
 
 
-def write_json(path: str, value) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f)
-
-
-def _sync(folder: str) -> None:
-    """Flush a finished checkpoint's files to disk before the rename makes it visible."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
-    """Resolve and check `--resume` before anything starts: (run_dir, checkpoint_dir, step).
-
-    The run must have been made by the same script and --model, no other live run may write in it
-    (tracking.lock_run_dir), its checkpoint must be whole (`check`) and before --num-steps, and the
-    run dir writable. Prints the step the run continues from."""
+    """Resolve and check `--resume` before anything starts: (run_dir, checkpoint_dir, step)."""
     run_dir, checkpoint, step = find_checkpoint(path)
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -122,9 +96,8 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
         raise InputError(f"--resume: the run was made with --model {model}, not {args.model}")
     lock_run_dir(run_dir)
     if step >= args.num_steps:
-        more = "pass a larger --num-steps to continue it"
         raise InputError(f"--resume: the checkpoint is at step {step}, not before --num-steps "
-                         f"{args.num_steps}: {more}")  # fmt: skip
+                         f"{args.num_steps}: pass a larger --num-steps to continue it")  # fmt: skip
     check(checkpoint)
     check_output_dir(run_dir)
     where = os.path.relpath(checkpoint, os.path.dirname(run_dir))
@@ -141,8 +114,7 @@ def find_checkpoint(path: str) -> tuple[str, str, int]:
     folder = os.path.join(path, "checkpoints")
     if os.path.isdir(folder):
         names = [name for name in os.listdir(folder) if not name.startswith(".")]  # not partial
-        found = {name: checkpoint_step(os.path.join(folder, name)) for name in names}
-        found = {name: step for name, step in found.items() if step is not None}
+        found = {n: s for n in names if (s := checkpoint_step(os.path.join(folder, n))) is not None}
         if not found:
             raise InputError(f"--resume: {path} has no checkpoint to resume from")
         newest = max(found, key=lambda name: (found[name], name == "final"))

@@ -4,7 +4,9 @@ Rows follow the Hugging Face (TRL) column conventions, so existing datasets load
 field is a string ("standard" format) or a list of {"role", "content"} messages (conversational)."""
 
 import glob
+import importlib.util
 import json
+import logging
 import os
 
 import torch
@@ -12,17 +14,14 @@ import torch
 from common.errors import InputError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NO_TEMPLATE = (
-    "the model's tokenizer has no chat template, and the data has message lists: use plain-text "
-    "columns (sft.py and dpo.py: also --accuracy-dataset '', whose prompts are messages) or a "
-    "model with a chat template"
-)
+NO_TEMPLATE = ("the model's tokenizer has no chat template, and the data has message lists: use "
+               "plain-text columns (sft.py and dpo.py: also --accuracy-dataset '', whose prompts "
+               "are messages) or a model with a chat template")  # fmt: skip
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
     """Rows of a local .jsonl/.json/.parquet file or folder, or of a hub dataset `name[:config]`.
-
     Relative paths are tried against the working directory, then the repo root (where data/ lives).
     Returns the rows and where they came from, for error messages."""
     for path in (spec, os.path.join(REPO_ROOT, spec)):
@@ -46,8 +45,7 @@ def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
 def _load_local(path: str, split: str) -> list[dict]:
     if os.path.isdir(path):
         files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(_LOCAL_SUFFIXES))
-        named = [f for f in files if os.path.basename(f).split(".")[0] == split]
-        files = named or files
+        files = [f for f in files if os.path.basename(f).split(".")[0] == split] or files
         if not files:
             raise InputError(f"dataset folder {path!r} has no .jsonl, .json or .parquet files")
         return [row for f in files for row in _load_local(f, split)]
@@ -138,16 +136,12 @@ def check_pairs(rows: list[dict], source: str) -> None:
 
 def quiet_hub_logs() -> None:
     """Silence the Hugging Face clients' per-retry warnings; their final error still reaches us."""
-    import logging
-
     for name in ("huggingface_hub", "datasets", "urllib3", "fsspec", "filelock"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def load_function(spec: str):
     """`path/to/file.py:name` -> the function `name` in that file (user hooks: --reward-fn)."""
-    import importlib.util
-
     path, _, name = spec.rpartition(":")
     if not path or not os.path.isfile(path):
         raise InputError(f"{spec!r}: expected an existing path/to/file.py:function")
@@ -168,8 +162,7 @@ def as_messages(value, role: str) -> list[dict]:
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt ready for generation: chat template + generation prompt for messages,
-    plain text else."""
+    """A prompt's token ids for generation: plain text, or messages + chat template + gen prompt."""
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
     if tokenizer.chat_template is None:
@@ -180,7 +173,6 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[int]]:
     """Token ids of prompt + completion, and a 0/1 mask that is 1 exactly on the completion tokens.
-
     Strings are plain text, the completion followed by EOS. Message lists go through the chat
     template, and the mask covers every assistant turn as the template writes it after the
     generation prompt, end-of-turn token included (so the model learns to stop). `completion=None`
@@ -215,7 +207,6 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
 
 def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]]:
     """First-fit packing, longest first, into padding-free rows of at most `max_tokens` tokens.
-
     Each sequence is a dict of equal-length per-token lists, one of them "input_ids". A row
     concatenates whole sequences; its "position_ids" restart at 0 at every sequence start, which is
     how the attention kernels (SDPA via a block mask, flash-attn varlen) keep sequences from
@@ -227,23 +218,17 @@ def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]
         if n > max_tokens:
             budget = f"the token budget of {max_tokens}"
             raise ValueError(f"a sequence of {n} tokens does not fit {budget}")
-        j = next((j for j, r in enumerate(room) if r >= n), None)
-        if j is None:
+        j = next((j for j, r in enumerate(room) if r >= n), len(rows))
+        if j == len(rows):  # no row has room: a new one
             rows.append([])
             room.append(max_tokens)
-            j = len(rows) - 1
         rows[j].append(i)
         room[j] -= n
-    out = []
-    for row in rows:
-        batch = {key: [] for key in sequences[0]}
-        batch["position_ids"] = []
-        for i in row:
-            for key, values in sequences[i].items():
-                batch[key].extend(values)
-            batch["position_ids"].extend(range(len(sequences[i]["input_ids"])))
-        out.append({key: torch.tensor(values)[None] for key, values in batch.items()})
-    return out
+    seqs = [{**s, "position_ids": range(len(s["input_ids"]))} for s in sequences]
+    return [
+        {key: torch.tensor([v for i in row for v in seqs[i][key]])[None] for key in seqs[0]}
+        for row in rows
+    ]
 
 
 STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own fields, not values
@@ -267,7 +252,6 @@ def response_values(mb: dict, *names: str) -> dict:
 
 def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> list[list[dict]]:
     """Deal sequences to data-parallel ranks (balanced by tokens) and pack each rank's share.
-
     FSDP runs collectives in every forward and backward, so all ranks must run the same number of
     micro-batches: a rank with fewer repeats its last one with "loss_scale" 0 (no gradient)."""
     shares: list[list[dict]] = [[] for _ in range(world_size)]
@@ -282,7 +266,6 @@ def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> 
         for mb in p:
             mb["loss_scale"] = torch.tensor(1.0)
         while len(p) < num_micro:
-            filler = dict(p[-1]) if p else pack([sequences[0]], max_tokens)[0]
-            filler["loss_scale"] = torch.tensor(0.0)
-            p.append(filler)
+            filler = p[-1] if p else pack([sequences[0]], max_tokens)[0]
+            p.append({**filler, "loss_scale": torch.tensor(0.0)})
     return packed

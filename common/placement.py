@@ -68,9 +68,10 @@ def init_ray(num_bundles: int = 0) -> None:
         return
     alive = other_ray_processes()
     if alive:
-        print(f"note: {len(alive)} Ray processes not of this run are alive here ({', '.join(alive[:4])}"
-              f"{', ...' if len(alive) > 4 else ''}): another run's, or a killed one's, which end within "
-              "a minute; `kill` them if you need their memory", flush=True)  # fmt: skip
+        named = ", ".join(alive[:4]) + (", ..." if len(alive) > 4 else "")
+        print(f"note: {len(alive)} Ray processes not of this run are alive here ({named}): another "
+              "run's, or a killed one's, which end within a minute; `kill` them if you need their "
+              "memory", flush=True)  # fmt: skip
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Actors import `common` and the scripts' modules: the repo is importable wherever they start.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -82,10 +83,8 @@ def init_ray(num_bundles: int = 0) -> None:
         try:
             ray.init(address=os.environ["RAY_ADDRESS"], **opts)
         except (ConnectionError, RuntimeError) as e:
-            # `ray start` makes a token-authenticated cluster; Ray's client sends the token only if told
-            auth = (
-                "Authentication" in repr(e.__cause__) and os.environ.get("RAY_AUTH_MODE") != "token"
-            )
+            # a `ray start` cluster wants a token, which Ray's client sends only if told to
+            auth = "Authentication" in repr(e.__cause__) and os.getenv("RAY_AUTH_MODE") != "token"
             hint = "; it wants its token: set RAY_AUTH_MODE=token" if auth else ""
             raise InputError(f"could not join {where}: {str(e).splitlines()[0]}{hint}") from None
     else:  # a private instance, also when someone's `ray start` runs on this machine
@@ -93,13 +92,14 @@ def init_ray(num_bundles: int = 0) -> None:
         num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # scheduling tokens, not cores
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **opts)
         where = "a private local Ray instance (set RAY_ADDRESS to join a cluster)"
+    stop_on_signals()  # again: ray.init installs its own handlers
     nodes, gpus = len(ray.nodes()), int(ray.cluster_resources().get("GPU", 0))
     print(f"ray: {where}: {nodes} node{'s' * (nodes > 1)}, {gpus} GPUs", flush=True)
 
 
 def other_ray_processes() -> list[str]:
-    """ "ray::Engine (pid 123)" for each Ray worker process on this machine (Linux): before this run
-    starts Ray, they are another run's, or the leftovers of a driver killed with SIGKILL."""
+    """Each Ray worker process on this machine (Linux), as "ray::Engine (pid 123)": before this run
+    starts Ray, another run's, or the leftovers of a driver killed with SIGKILL."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
@@ -110,8 +110,6 @@ def other_ray_processes() -> list[str]:
         if name.startswith("ray::"):
             found.append(f"{name} (pid {pid})")
     return found
-    # After ray.init, which installs its own: one line, then the exit's ray.shutdown stops actors.
-    stop_on_signals()
 
 
 @dataclass
@@ -133,13 +131,11 @@ class Slot:
 
 class Layout:
     """A job's bundles (trainer ranks, critic ranks, engines, reward model) and each actor's slot.
-
-    GPU, apart: a trainer, critic or reward-model rank takes one GPU and its bundle's CPU, an engine
-    `engine_tp` GPUs. GPU, `colocate` (the hybrid engine): only the trainer ranks have bundles;
-    engine i, critic rank i and the reward model (on bundle 0) share trainer rank i's GPU, each
-    asking Ray for an equal share (the models take turns: vLLM sleeps while others train). Only the
-    trainer asks for the bundle's one CPU (an actor asking for a second would wait forever). CPU:
-    every actor takes its own one-CPU bundle (vLLM cannot sleep on CPU)."""
+    GPU, `colocate` (the hybrid engine): only the trainer ranks have bundles; engine i, critic rank
+    i and the reward model (on bundle 0) share trainer rank i's GPU, each asking Ray for an equal
+    share (the models take turns: vLLM sleeps while others train). Only the trainer asks for the
+    bundle's one CPU (an actor asking for a second would wait forever). CPU: every actor takes its
+    own one-CPU bundle (vLLM cannot sleep on CPU)."""
 
     def __init__(self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False,
                  critics=0, reward_model=False):  # fmt: skip
@@ -205,7 +201,6 @@ def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:
 
 def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
     """Place one actor of `actor_cls` per slot (rank r in slots[r]) and wait until every one is up.
-
     Each is constructed as actor_cls(*args, rank, world_size, master_addr, master_port) and is to
     call `init_distributed` with those in its __init__; the address is on the node of rank 0."""
     addr, port = rendezvous_address(pg, slots[0].bundle)
@@ -246,10 +241,8 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
 
 def call(actors: list, method: str, *args, per_rank: list | None = None, timeout=None) -> list:
     """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all.
-
-    A dead actor or one that does not answer within `timeout` seconds becomes a RunError (one line)
-    that names it, not a hang; the other actors' calls are cancelled by the shutdown that follows.
-    """
+    A dead actor or one that does not answer within `timeout` seconds becomes a one-line RunError
+    naming it, not a hang; the other actors' calls are cancelled by the shutdown that follows."""
     refs = [
         getattr(a, method).remote(*(([per_rank[i]] if per_rank is not None else []) + list(args)))
         for i, a in enumerate(actors)
@@ -273,14 +266,12 @@ def wait_all(refs: list, names: list[str], what: str, timeout: float | None = No
     return ray.get(refs)
 
 
-def wait_first(pending: dict, what: str, timeout: float | None = None) -> tuple:
-    """(ref, result) of the first call of `pending` ({ref: actor name}) to finish; a failure names
-    its actor."""
-    timeout = RPC_TIMEOUT_S if timeout is None else timeout
-    ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout, fetch_local=False)
+def wait_first(pending: dict, what: str) -> tuple:
+    """(ref, result) of the first of `pending` ({ref: actor name}) to finish; a failure names it."""
+    ready, _ = ray.wait(list(pending), num_returns=1, timeout=RPC_TIMEOUT_S, fetch_local=False)
     if not ready:
         names = ", ".join(sorted(set(pending.values())))
-        raise RunError(f"no {what} call finished within {timeout:.0f} s ({names})")
+        raise RunError(f"no {what} call finished within {RPC_TIMEOUT_S:.0f} s ({names})")
     return ready[0], _get(ready[0], pending[ready[0]], what)
 
 
@@ -293,8 +284,7 @@ def _get(ref, name: str, what: str):
         raise RunError(f"{name} failed in {what}: {_first_line(e.cause or e)}") from None
 
 
-def actor_name(actor) -> str:
-    """The class name of a Ray actor handle, e.g. "Trainer" or "AsyncEngine"."""
+def actor_name(actor) -> str:  # e.g. "Trainer" or "AsyncEngine"
     return actor._ray_actor_creation_function_descriptor.class_name
 
 

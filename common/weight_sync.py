@@ -79,9 +79,8 @@ class EngineClient:
 
 
 class WeightSync:
-    """A trainer rank's end of the weight sync: `.push()` sends the current weights as the engines'
-    next version, `.check()` proves the engines serve them. `transfer`: vLLM's trainer-side
-    weight-transfer engine."""
+    """A trainer rank's end of the weight sync (`transfer`: vLLM's trainer-side engine): `.push()`
+    sends the current weights as the engines' next version, `.check()` proves they serve them."""
 
     def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype: torch.dtype):
         self.transfer, self.colocated = transfer, colocated
@@ -100,7 +99,17 @@ class WeightSync:
         """Every rank: the trainer's log-probabilities of the probe tokens (a forward, a collective
         under FSDP2); rank 0: every engine's, under the weights just pushed. Too far apart: an error
         naming the engine."""
-        mine = probe_logprobs(self.model, self.probe)
+        # log p(token_i | tokens < i), i >= 1: a plain forward of one short row (no ring attention)
+        ring = next((m.sp_group for m in self.model.modules() if hasattr(m, "sp_group")), None)
+        if self.model.config._attn_implementation == RING:
+            enable_ring_attention(self.model, None)
+        try:
+            ids = torch.tensor([self.probe], device=next(self.model.parameters()).device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        finally:
+            if ring is not None:
+                enable_ring_attention(self.model, ring)
+        mine = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
         if not self.transfer.is_sender:
             return
         client = self.transfer.client
@@ -113,20 +122,6 @@ class WeightSync:
                     f"probe text differ from the trainer's by {diff:.3g} on average (allowed "
                     f"{self.tolerance:g})"
                 )
-
-
-def probe_logprobs(model, token_ids: list[int]) -> torch.Tensor:
-    """log p(token_i | tokens < i), i >= 1: a plain forward of one short row (no ring attention)."""
-    ring = next((m.sp_group for m in model.modules() if hasattr(m, "sp_group")), None)
-    if model.config._attn_implementation == RING:
-        enable_ring_attention(model, None)
-    try:
-        ids = torch.tensor([token_ids], device=next(model.parameters()).device)
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-    finally:
-        if ring is not None:
-            enable_ring_attention(model, ring)
-    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
 
 
 def init_weight_sync(

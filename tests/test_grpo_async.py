@@ -275,9 +275,9 @@ def test_end_to_end_run_then_resume_on_policy_until_the_engine_dies(tiny_model, 
 
 
 def test_plot_overlays_runs_against_wall_clock(tmp_path):
-    """`python -m common.plot A B --x time`: each run's curve against the running sum of its
+    """`python plot.py A B --x time`: each run's curve against the running sum of its
     time/step."""
-    from common.plot import plot_runs, step_seconds
+    from plot import plot_runs, step_seconds
 
     runs = []
     for name, seconds in (("sync", 40.0), ("async", 30.0)):

@@ -84,7 +84,7 @@ def test_every_lab_has_its_files_and_is_linked():
         assert f"({lab}/README.md)" in guide, f"labs/README.md does not link {lab}"
         with open(os.path.join(LABS_DIR, lab, "README.md")) as f:
             text = f.read()
-        assert "expected.png" in text and "python -m common.plot" in text, (
+        assert "expected.png" in text and "python plot.py" in text, (
             f"{lab}: no command beside expected.png"
         )
 

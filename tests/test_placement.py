@@ -141,6 +141,7 @@ def logical_gpus():
     hidden = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # see gpus_are_logical
     ray.shutdown()  # the session's CPU instance (conftest.start_ray_cpu), if it runs
     ray.init(
+        address="local",  # not a Ray someone started here
         num_cpus=16,
         num_gpus=8,
         include_dashboard=False,
@@ -319,6 +320,7 @@ def test_one_gpu_places_every_script(monkeypatch, tmp_path):
     GPU."""
     ray.shutdown()
     ray.init(
+        address="local",  # not a Ray someone started here
         num_cpus=8,
         num_gpus=1,
         include_dashboard=False,
@@ -440,3 +442,6 @@ def test_a_ray_started_on_the_machine_is_left_alone_or_joined_on_purpose(tiny_mo
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start` and everything it started
         head.wait()
+        current = "/tmp/ray/ray_current_cluster"  # its address, which a plain ray.init would join
+        if os.path.exists(current) and open(current).read().strip().endswith(f":{port}"):
+            os.remove(current)

@@ -1,6 +1,6 @@
 """Turn runs' metrics.jsonl into PNG curves, a figure per metric group (train/, eval/, ...).
 
-    python -m common.plot runs/grpo__1__1763800000 [more run dirs...] [--out plots/] [--x time]
+    python plot.py runs/grpo__1__1763800000 [more run dirs...] [--out plots/] [--x time]
 
 Several runs are drawn on the same axes, so seeds or variants compare at a glance. `--x time` puts
 the seconds the steps took (the running sum of time/step; start-up and evaluation left out) on the
@@ -19,8 +19,7 @@ def load_metrics(run_dir: str) -> dict[str, list[tuple[int, float]]]:
         rows = [json.loads(line) for line in f if line.strip()]
     for row in rows:
         for key, value in row.items():
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if key != "step" and number:
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 series[key].append((row["step"], value))
     return series
 
@@ -42,13 +41,9 @@ def plot_runs(run_dirs: list[str], out_dir: str, x="step", keys: list[str] | Non
     import matplotlib.pyplot as plt
 
     runs = {os.path.basename(os.path.normpath(d)): load_metrics(d) for d in run_dirs}
-    groups = defaultdict(set)
-    for series in runs.values():
-        for key in series:
-            if not keys:
-                groups[key.split("/")[0] if "/" in key else "other"].add(key)
-            elif key in keys:
-                groups["selected"].add(key)
+    groups = defaultdict(set)  # with `keys`: one group, "selected"
+    for key in {key for series in runs.values() for key in series if not keys or key in keys}:
+        groups["selected" if keys else key.split("/")[0] if "/" in key else "other"].add(key)
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for group, names in sorted(groups.items()):
