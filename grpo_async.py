@@ -178,16 +178,17 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     return model
 
 
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0):
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
+    With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
     (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p):  # the head: log π(y_t)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
     return out.logits  # (N,)
 
@@ -447,6 +448,7 @@ class Trainer:
         """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums to the
         driver."""
         args, stats = self.args, defaultdict(float)
+        sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
@@ -458,9 +460,9 @@ class Trainer:
                 mb["values"] = values = response_values(mb)
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
                 for name, frozen in self.frozen.items():  # ref_logprobs: π_ref's
-                    values[name] = compute_logprobs(frozen, *inputs, args.temperature)
+                    values[name] = compute_logprobs(frozen, *inputs, *sampled)
                 if not one_update:  # π_θold: the policy before this step's first update
-                    values["old_logprobs"] = compute_logprobs(self.model, *inputs, args.temperature)
+                    values["old_logprobs"] = compute_logprobs(self.model, *inputs, *sampled)
         self.model.train()
         for epoch in range(args.num_epochs):
             for mini in minibatches:
@@ -468,7 +470,7 @@ class Trainer:
                     # reduce-scatter gradients after the minibatch's last micro-batch only
                     self.model.set_requires_gradient_sync(i == len(mini) - 1)
                     inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                    logprobs = compute_logprobs(self.model, *inputs, args.temperature)  # (N,)
+                    logprobs = compute_logprobs(self.model, *inputs, *sampled)  # (N,)
                     values = dict(mb["values"])
                     if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
                         values["old_logprobs"] = logprobs.detach()

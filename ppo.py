@@ -195,16 +195,17 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     return model
 
 
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0):
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
+    With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
     (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p):  # the head: log π(y_t)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
     return out.logits  # (N,)
 
@@ -574,21 +575,20 @@ class Trainer(ShardedModel):
         """π_θold and π_ref logprobs of the response tokens this rank holds, with their place
         (seq_id, tok). Filler micro-batches run too: FSDP's collectives must stay in step."""
         self.model.eval()
-        out = []
+        out, sampled = [], (self.args.temperature, self.args.top_p)  # as vLLM sampled
         for mb in [self.local_part(mb) for mini in minibatches for mb in mini]:
             inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-            logprobs = compute_logprobs(self.model, *inputs, self.args.temperature)
-            ref_logprobs = compute_logprobs(self.ref, *inputs, self.args.temperature)
+            logprobs = compute_logprobs(self.model, *inputs, *sampled).cpu()
+            ref_logprobs = compute_logprobs(self.ref, *inputs, *sampled).cpu()
             if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
                 where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
-                out.append(
-                    {**where, "logprobs": logprobs.cpu(), "ref_logprobs": ref_logprobs.cpu()}
-                )
+                out.append({**where, "logprobs": logprobs, "ref_logprobs": ref_logprobs})
         return out
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
         """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums."""
         args, stats = self.args, defaultdict(float)
+        sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, args, args.learning_rate)
         # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
@@ -599,7 +599,7 @@ class Trainer(ShardedModel):
                 for i, mb in enumerate(mini):
                     self.model.set_requires_gradient_sync(i == len(mini) - 1)
                     inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                    logprobs = compute_logprobs(self.model, *inputs, args.temperature)  # (N,)
+                    logprobs = compute_logprobs(self.model, *inputs, *sampled)  # (N,)
                     loss, token_stats = compute_loss(logprobs, response_values(mb), args)
                     # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
                     real = mb["loss_scale"].item()

@@ -129,16 +129,17 @@ def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -
     return model
 
 
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature: float = 1.0):
+def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
+    With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
     (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature):  # the head returns log π(y_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p):  # the head: log π(y_t)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
     return out.logits  # (N,)
 

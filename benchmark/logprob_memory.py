@@ -4,7 +4,8 @@ the chunked LM head (common/lm_head.py), on the CPU.
     .venv/bin/python benchmark/logprob_memory.py [--tokens 1024 4096] [--vocab 151936] [--hidden 896]
 
 plain: logits = h W^T in fp32, log_softmax, gather, backward (what compute_logprobs did before).
-chunked: TokenLogprobs, 256 MiB of logits at a time, recomputed in the backward. Each measurement
+chunked: TokenLogprobs, 256 MiB of logits at a time, recomputed in the backward. top-p: the same
+with --top-p 0.9 (each chunk sorted to find the nucleus, in the forward and again in the backward). Each measurement
 runs in a fresh process; reported: the peak resident set (VmHWM) minus the resident set after the
 inputs (hidden states, head weight, labels) were made, i.e. what the computation itself added, and
 seconds.
@@ -38,7 +39,7 @@ def measure(kind: str, tokens: int, vocab: int, hidden: int) -> None:
     if kind == "plain":
         logp = torch.log_softmax((h @ w.T).float(), dim=-1).gather(1, labels[:, None]).squeeze(1)
     else:
-        logp = TokenLogprobs.apply(h, w, labels, 1.0)
+        logp = TokenLogprobs.apply(h, w, labels, 1.0, 0.9 if kind == "top-p" else 1.0)
     logp.sum().backward()
     print(f"{(vm_kb('VmHWM') - base) / 2**20:.2f} {time.time() - t0:.1f}")
 
@@ -56,11 +57,18 @@ def main():
     print(
         f"vocab {args.vocab}, hidden {args.hidden}, fp32 on CPU; peak memory added (GiB) and seconds, fwd + bwd"
     )
-    print("| tokens | plain GiB | chunked GiB | plain s | chunked s |")
-    print("| --- | --- | --- | --- | --- |")
+    kinds = ("plain", "chunked", "top-p")
+    print(
+        "| tokens | "
+        + " | ".join(f"{k} GiB" for k in kinds)
+        + " | "
+        + " | ".join(f"{k} s" for k in kinds)
+        + " |"
+    )
+    print("|" + " --- |" * 7)
     for tokens in args.tokens:
         out = {}
-        for kind in ("plain", "chunked"):
+        for kind in kinds:
             cmd = [
                 sys.executable,
                 __file__,
@@ -74,7 +82,11 @@ def main():
                 cmd, capture_output=True, text=True, check=True
             ).stdout.split()
         print(
-            f"| {tokens} | {out['plain'][0]} | {out['chunked'][0]} | {out['plain'][1]} | {out['chunked'][1]} |"
+            f"| {tokens} | "
+            + " | ".join(out[k][0] for k in kinds)
+            + " | "
+            + " | ".join(out[k][1] for k in kinds)
+            + " |"
         )
 
 

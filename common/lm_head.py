@@ -20,15 +20,17 @@ from common.memory import HEAD_CHUNK_BYTES
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log-probabilities at temperature T."""
+    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log-probabilities at temperature T,
+    renormalised over the top-p nucleus when top_p < 1."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature: float):
+    def forward(ctx, hidden, weight, labels, temperature: float, top_p: float):
         chunk = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse, logp = torch.empty_like(out), None
         for s in range(0, hidden.shape[0], chunk):
             z = (hidden[s : s + chunk] @ weight.T).float() / temperature  # (c, V)
+            z = nucleus(z, labels[s : s + chunk], top_p)
             z_y = z.gather(1, labels[s : s + chunk, None]).squeeze(1)
             logp = torch.log_softmax(z, dim=-1)
             out[s : s + chunk] = logp.gather(1, labels[s : s + chunk, None]).squeeze(1)
@@ -36,7 +38,7 @@ class TokenLogprobs(torch.autograd.Function):
         # One chunk holds every token: keep its log-probabilities rather than recompute them.
         logp = logp if hidden.shape[0] <= chunk else None
         ctx.save_for_backward(hidden, weight, labels, lse, logp)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
         return out
 
     @staticmethod
@@ -48,7 +50,8 @@ class TokenLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h, g = hidden[s : s + chunk], grad[s : s + chunk, None]
             if logp is None:  # recomputed: (c, V)
-                logp = ((h @ weight.T).float() / T).sub_(lse[s : s + chunk, None])
+                z = nucleus((h @ weight.T).float() / T, labels[s : s + chunk], ctx.top_p)
+                logp = z.sub_(lse[s : s + chunk, None])
             dz = logp.exp_().mul_(-g)  # -g softmax(z) ...
             logp = None
             dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # + g onehot(y); z = W h / T
@@ -58,21 +61,36 @@ class TokenLogprobs(torch.autograd.Function):
             grad_weight = dz.T @ h if grad_weight is None else grad_weight.addmm_(dz.T, h)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def nucleus(z: torch.Tensor, labels: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits z (c, V) with the tokens outside the top-p nucleus at -inf, as vLLM's sampler keeps
+    them: the most probable tokens, dropping those whose ascending cumulative probability is at most
+    1 - p. Its processed log-probabilities are renormalised over that set; so are these, or the
+    importance ratio π_θold / π_vllm would differ from 1 with the same weights. A label outside
+    (another kernel's rounding at the edge) stays in, finite."""
+    if top_p >= 1:
+        return z
+    ascending, order = z.sort(dim=-1)
+    outside = ascending.softmax(dim=-1).cumsum_(dim=-1) <= 1 - top_p
+    outside[:, -1] = False  # the most probable token, always
+    outside = torch.empty_like(outside).scatter_(1, order, outside)
+    outside.scatter_(1, labels[:, None], False)
+    return z.masked_fill_(outside, float("-inf"))
 
 
 class LogprobHead(torch.nn.Linear):
     """The model's LM head (an nn.Linear without bias, the same weight): logits, or inside
     `token_logprobs` the log-probabilities of the given labels."""
 
-    targets = None  # (labels (N,), temperature) while token_logprobs is active
+    targets = None  # (labels (N,), temperature, top_p) while token_logprobs is active
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:
             return super().forward(hidden)
-        labels, temperature = self.targets
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        return TokenLogprobs.apply(hidden, self.weight, labels, temperature)  # (N,)
+        return TokenLogprobs.apply(hidden, self.weight, *self.targets)  # (N,)
 
 
 def install(model) -> None:
@@ -84,13 +102,13 @@ def install(model) -> None:
 
 
 @contextmanager
-def token_logprobs(model, labels: torch.Tensor, temperature: float = 1.0):
+def token_logprobs(model, labels: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0):
     """Within this block, the model's forward returns as `logits` the (N,) log-probabilities of
     `labels` (one per kept position of its packed row: compute_logprobs in the scripts)."""
     if not isinstance(model.get_output_embeddings(), LogprobHead):
         install(model)
     head = model.get_output_embeddings()
-    head.targets = (labels, temperature)
+    head.targets = (labels, temperature, top_p)
     try:
         yield
     finally:

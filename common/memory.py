@@ -74,7 +74,7 @@ class Job:
     sp: int = 1  # ring attention: a rank holds tokens / sp of every row
     checkpointing: bool = False  # --gradient-checkpointing
     reference: bool = False  # a frozen copy of the policy on the trainer ranks
-    lm_head: bool = True  # the policy has an LM head (rm.py's model has a score head)
+    lm_head: float = 3  # chunks of logits its LM head holds (6.5 with --top-p < 1: it sorts them)
     engines: int = 0
     engine_tp: int = 1
     engine_memory: float = 0.0  # fraction of a GPU for each engine (vLLM's gpu_memory_utilization)
@@ -93,7 +93,7 @@ def activations(s: Shape, tokens: int, checkpointing: bool) -> float:
     return s.layers * tokens * s.hidden * 2 + per_layer if checkpointing else s.layers * per_layer
 
 
-def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: bool) -> tuple:
+def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: float) -> tuple:
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
     idle = {"weights + AdamW": 12 * s.params / ranks}  # the gradients are freed after each step
     busy = {
@@ -102,7 +102,7 @@ def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: boo
         "activations": activations(s, tokens, checkpointing),
     }
     if lm_head:  # the chunk's logits, probabilities and their gradient; the head's fp32 gradient
-        busy["LM head"] = 3 * HEAD_CHUNK_BYTES + 4 * s.vocab * s.hidden
+        busy["LM head"] = lm_head * HEAD_CHUNK_BYTES + 4 * s.vocab * s.hidden
     return idle, busy
 
 
@@ -114,7 +114,7 @@ def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
     engine = {"vLLM (weights + KV cache)": job.engine_memory * capacity} if job.engines else {}
     critic_idle, critic_busy = {}, {}
     if job.critic is not None:
-        parts = trainer(job.critic, job.critics, tokens, job.checkpointing, lm_head=False)
+        parts = trainer(job.critic, job.critics, tokens, job.checkpointing, lm_head=0)
         critic_idle, critic_busy = ({f"critic {k}": v for k, v in p.items()} for p in parts)
     rm = {"reward model": 2 * job.reward_model.params} if job.reward_model is not None else {}
 
@@ -236,10 +236,11 @@ def check_run(
     if not use_gpu:
         return False
     reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
+    chunks = (head == "lm") * (6.5 if getattr(args, "top_p", 1) < 1 else 3)  # the LM head's
     job = Job(
         policy=shape_of(policy, head), trainers=args.num_trainers, sp=args.sp_size,
         tokens=args.max_tokens_per_micro_batch, checkpointing=args.gradient_checkpointing,
-        reference=reference, lm_head=head == "lm", engines=getattr(args, "num_engines", 0),
+        reference=reference, lm_head=chunks, engines=getattr(args, "num_engines", 0),
         engine_tp=getattr(args, "engine_tp", 1), engine_memory=engine_memory(args),
         colocate=getattr(args, "colocate", False), critics=getattr(args, "num_critics", 0),
         critic=shape_of(critic, "score") if critic else None,

@@ -99,16 +99,18 @@ def rollout_batch(engines, prompts, G, args, sp_size=1):
 @pytest.mark.cpu_engine(
     "CPU engines by design (gloo weight sync, a CPU layout); the GPU tier has its counterpart"
 )
-@pytest.mark.parametrize("tied,sp_size", [(False, 1), (True, 2)], ids=["untied", "tied-sp2"])
+@pytest.mark.parametrize("tied,sp_size", [(False, 1), (True, 2)], ids=["untied-top_p", "tied-sp2"])
 def test_engine_matches_trainer_after_train_step_and_sync(
     ray_cpu, tied, sp_size, tiny_model, tiny_model_untied, tokenizer
 ):
-    # sp2: both trainer ranks split every row with ring attention (and the k3 KL's reference model
-    # too)
+    """The trainer's log-probabilities of the engine's samples equal the engine's (TIS weights of 1)
+    before any update and after a push, not between. sp2: both trainer ranks split every row with
+    ring attention (and the k3 KL's reference model too). top_p 0.9: vLLM's log-probabilities are
+    renormalised over the nucleus, and so are the trainer's."""
     path = tiny_model if tied else tiny_model_untied
     args = grpo.Args(
         learning_rate=1e-3, warmup_steps=1, temperature=0.9, max_response_length=8, sp_size=sp_size,
-        kl_coef=0.01 if sp_size > 1 else 0.0,
+        kl_coef=0.01 if sp_size > 1 else 0.0, top_p=1.0 if tied else 0.9,
     )  # fmt: skip
     layout = Layout(False, trainers=2, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=False)

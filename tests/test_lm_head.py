@@ -11,13 +11,22 @@ import torch.nn.functional as F
 from common import lm_head
 
 
-def plain(hidden, weight, labels, temperature):
-    return -F.cross_entropy((hidden @ weight.T).float() / temperature, labels, reduction="none")
+def plain(hidden, weight, labels, temperature, top_p=1.0):
+    """log_softmax(z / T)[label]; with top_p < 1 over the nucleus only: the tokens whose more
+    probable tokens hold less than p of the mass (and the label)."""
+    z = (hidden @ weight.T).float() / temperature
+    if top_p < 1:
+        probs, order = z.softmax(dim=-1).sort(dim=-1, descending=True)
+        above = probs.cumsum(dim=-1) - probs  # the mass of the more probable tokens
+        inside = torch.zeros_like(z, dtype=torch.bool).scatter(1, order, above < top_p)
+        inside[torch.arange(len(labels)), labels] = True
+        z = z.masked_fill(~inside, float("-inf"))
+    return -F.cross_entropy(z, labels, reduction="none")
 
 
 @pytest.mark.parametrize("tokens_per_chunk", [1, 7, 64, 1000])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, temperature):
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.5)])
+def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, temperature, top_p):
     torch.manual_seed(0)
     N, H, V = 37, 16, 500
     monkeypatch.setattr(lm_head, "HEAD_CHUNK_BYTES", 4 * V * tokens_per_chunk)
@@ -28,11 +37,11 @@ def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, te
     )
     labels, upstream = torch.randint(0, V, (N,)), torch.randn(N)
 
-    ref = plain(hidden, weight, labels, temperature)
+    ref = plain(hidden, weight, labels, temperature, top_p)
     (ref * upstream).sum().backward()
     ref_grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    out = lm_head.TokenLogprobs.apply(hidden, weight, labels, temperature)
+    out = lm_head.TokenLogprobs.apply(hidden, weight, labels, temperature, top_p)
     (out * upstream).sum().backward()
 
     assert (out - ref).abs().max() <= 1e-6
@@ -90,7 +99,7 @@ def test_no_tokens_at_all():
     """A rank's share of a row under ring attention can hold no response token: (0,) out, zero
     gradients."""
     hidden, weight = torch.randn(0, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
-    out = lm_head.TokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0)
+    out = lm_head.TokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0, 1.0)
     out.sum().backward()
     assert out.shape == (0,) and hidden.grad.shape == (0, 16)
     assert weight.grad is None or not weight.grad.any()
