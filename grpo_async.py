@@ -1,14 +1,11 @@
 """GRPO with asynchronous rollouts and in-flight weight updates (PipelineRL, Piché et al. 2025,
 arXiv 2509.19128).
 
-grpo.py alternates: generate a batch, then train on it, while the other side waits. Here the vLLM
-engines never stop. The driver keeps up to (K + 1) batches of prompt groups submitted to them
-(K = --max-lag); each step takes the first B groups that finished, trains on them and pushes the new
-weights *in flight*: the engines pause between two decoding steps, load the weights and go on, so
-one response can hold tokens of several policy versions. The GRPO math is grpo.py's: the importance
-weight min(π_θold / π_behaviour, C) uses the logprob the engine recorded for each token when it
-sampled it, which is exactly the truncated IS of grpo.py, now also correcting for the lag. A token
-sampled by weights older than step - K is never trained on (its group is dropped).
+grpo.py alternates generating and training; here the vLLM engines never stop. The groups of up to K
++ 1 steps (K = --max-lag) are sampled and scored ahead; step s trains the B groups sent for it,
+whatever their lengths, and pushes the new weights *in flight* (the engines pause between two
+decoding steps, load them, go on): no token is older than step s - K. The math is grpo.py's; its
+truncated IS min(π_θold / π_behaviour, C) uses the logprob each token was sampled with: the lag too.
 
 Run it:
     python grpo_async.py                              # built-in model and arithmetic task, CPU
@@ -43,8 +40,8 @@ from common.engines import generate, sample_seeds, spawn_engines  # ASYNC: sampl
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.models import attn_implementation, empty_model, load_weights
-from common.placement import call, wait_first  # ASYNC: wait_first
-from common.rewards import call_reward
+from common.placement import call, wait_all  # ASYNC: wait_all
+from common.rewards import RewardWorker, call_reward  # ASYNC: RewardWorker
 from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 from common.tracking import Run
 from common.weight_sync import sync_weights
@@ -347,16 +344,15 @@ def time_metrics(times: tuple, generated_tokens: int, trained_tokens: int) -> di
 
 
 # ASYNC: the lag between the weights that sampled each token and the weights trained on it.
-def lag_metrics(responses: list[dict], step: int, engines: dict, dropped: int) -> dict:
+def lag_metrics(responses: list[dict], step: int, engines: dict) -> dict:
     """Per token: steps between its sampling weights and the step trained; responses sampled by more
-    than one version; groups dropped as too stale; what the engines did meanwhile (per engine)."""
+    than one version; what the engines did meanwhile (per engine)."""
     lags = torch.tensor([step - v for s in responses for v in s["versions"]], dtype=torch.float)
     mixed = sum(len(set(s["versions"])) > 1 for s in responses) / len(responses)
     return {
         "rollout/lag_mean": lags.mean().item(),
         "rollout/lag_max": lags.max().item(),
         "rollout/multi_version_responses": mixed,
-        "rollout/dropped_groups": dropped,  # in all, since the start (or the resume)
         "time/engine_idle": engines["idle_s"],  # waiting for weights: the lag bound holds them back
         "time/engine_paused": engines["paused_s"],  # in weight updates
     }
@@ -554,32 +550,30 @@ def main(args: Args):
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
         run.log(done, metrics, console)
-        rows = [  # ASYNC: with the weight version (step) that sampled each token
+        rows = [
             {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
-             "reward": rewards[i].item(), "versions": versions[i]}
+             "reward": rewards[i].item(), "versions": versions[i]}  # ASYNC: tokens' weights
             for i in range(min(len(texts), 2 * G))
         ]  # fmt: skip
         run.log_samples(done, rows)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
-                call(trainers, "save", folder, done, True)
+                call(trainers, "save", folder, done, True, watch=engines)  # ASYNC: busy
 
     # ---- training loop: take finished groups -> reward -> advantages -> train -> sync in flight
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
     run.start_progress(args.num_steps, resume_step)
-    rollouts = Rollouts(engines, prompts["train"], resume_step, args)  # ASYNC: engines never stop
-    before, phases = rollouts.engine_stats(), []  # phases: (start, data, trained, synced) times
+    rollouts = Rollouts(engines, prompts["train"], resume_step, args, (reward_function, model_path))
+    before, phases = rollouts.engine_stats(), []  # ASYNC: phases (start, data, trained, synced)
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
-        batch, outs = rollouts.take(step)  # ASYNC: waits only if fewer than B groups are done
+        batch, outs, texts, rewards = rollouts.take(step)  # ASYNC: sampled and scored meanwhile
         t_gen = time.time()
 
         # ALGO LOGIC: rewards and advantages, per group; the values each trained token carries
         responses = [s for group in outs for s in group]  # (B*G,) prompt-major
-        where = f"step {step + 1}"
-        texts, rewards = score_responses(reward_function, batch, outs, tokenizer, where, args)
         advantages = compute_advantages(rewards, G)  # (B*G,)
         kept = keep_groups(rewards, G).repeat_interleave(G)
         sequences = []
@@ -589,14 +583,12 @@ def main(args: Args):
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
             sequences.append((batch[i // G].ids, s["token_ids"], values))
         shares = plan_minibatches(sequences, step, args)  # with loss_weights: the aggregation
-        results = call(trainers, "train_step", step, per_rank=shares)
+        results = call(trainers, "train_step", step, per_rank=shares, watch=engines)  # ASYNC
         t_train = time.time()
 
-        # push, check the engines serve the new weights (common/weight_sync.py); ASYNC: in flight,
-        # the engines pause between two decoding steps
+        # ASYNC: push in flight (the engines pause between decoding steps), check (weight_sync.py)
         sync_weights(trainers, engines, colocated=False)
-        rollouts.version = step + 1
-        rollouts.fill()  # the step after next may now be sampled
+        rollouts.fill(step + 1)  # the step after next may now be sampled
         t_sync = time.time()
         phases.append((t0, t_gen, t_train, t_sync))
 
@@ -609,7 +601,7 @@ def main(args: Args):
             **rollout_metrics(rewards, responses, G),
             **train_metrics(results, args),
             **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
-            **lag_metrics(responses, step, engine, rollouts.dropped),  # ASYNC
+            **lag_metrics(responses, step, engine),  # ASYNC
         }
         end_step(step + 1, metrics, batch, texts, rewards, [s["versions"] for s in responses])
 
@@ -659,49 +651,48 @@ def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list
     return shares
 
 
-# ASYNC: the prompt stream. Groups go to the engines ahead of training, at most K steps ahead;
-# finished groups wait in Ray's object store (the buffer: at most (K + 1) x B groups) until a step
-# takes them, in the order they finish.
+# ASYNC: the prompt stream. Step s trains the B groups sent for it, in the order sent, whatever
+# their lengths (no selection by length); they are sent once the weights are those of step s - K or
+# newer, so no token lags more than K steps. Each group is scored as soon as it is sampled, by a
+# reward worker, while the trainers train. Finished groups wait in the object store: (K + 1) x B.
 class Rollouts:
-    def __init__(self, engines: list, train: list[Prompt], start: int, args: Args):
+    def __init__(self, engines: list, train: list[Prompt], start: int, args: Args, reward: tuple):
         self.engines, self.train, self.args, self.B = engines, train, args, args.prompts_per_step
-        self.version = self.start = start  # the weights the engines hold, labelled from 0 by them
-        self.sent = self.live = start * self.B  # groups sent (the stream's position), not dropped
-        self.pending, self.dropped = {}, 0  # {ref: (Prompt, engine name)}
-        self.fill()
+        # a reward worker (common/rewards.py) per engine; reward: (function, tokenizer's folder)
+        self.scorers = [RewardWorker.remote(*reward, args.reward_timeout) for _ in engines]
+        self.start = start  # the engines label their weights from 0
+        self.sent = start * self.B  # groups sent: the stream's position
+        self.queue = []  # (prompt, group, scores, engine and worker k) in the order sent
+        self.fill(start)
 
-    def fill(self):
-        """Send groups until every step up to version + K (at most the last) has its B groups."""
-        args, B = self.args, self.B
-        while self.live < min(self.version + args.max_lag + 1, args.num_steps) * B:
+    def fill(self, version: int):
+        """With weights `version` in the engines, send every step up to version + K its B groups."""
+        args, B, G = self.args, self.B, self.args.num_generations
+        while self.sent < min(version + args.max_lag + 1, args.num_steps) * B:
             draw, i = divmod(self.sent, B)  # the stream: grpo.py's batches, one after the other
             prompt = self.train[batch_rows(draw, len(self.train), B, args.seed)[i]]
             seed, k = sample_seeds(args.seed, draw, B)[i], self.sent % len(self.engines)
-            ref = self.engines[k].generate.remote(
-                [prompt.ids], args.num_generations, args.temperature, args.top_p,
-                args.max_response_length, [seed],
-            )  # fmt: skip
-            self.pending[ref] = (prompt, f"AsyncEngine#{k}")
-            self.sent, self.live = self.sent + 1, self.live + 1
+            group = self.engines[k].generate.remote(
+                [prompt.ids], G, args.temperature, args.top_p, args.max_response_length, [seed]
+            )
+            rows = [f"prompt row {prompt.row}, sample {j + 1}" for j in range(G)]
+            scores = self.scorers[k].score.remote(group, prompt.answer, f"step {draw + 1}", rows)
+            self.queue.append((prompt, group, scores, k))
+            self.sent += 1
 
-    def take(self, step: int) -> tuple[list[Prompt], list[list[dict]]]:
-        """The first B groups to finish whose every token was sampled by weights of step - K or
-        newer; an older group (a straggler: is_stale) is dropped and a new one sent in its place.
-        Versions become step numbers here."""
-        batch, outs = [], []
-        while len(batch) < self.B:
-            names = {r: name for r, (_, name) in self.pending.items()}
-            ref, (group,) = wait_first(names, "generate")
-            prompt, _ = self.pending.pop(ref)
+    def take(self, step: int) -> tuple[list[Prompt], list[list[dict]], list[str], torch.Tensor]:
+        """The step's B groups (batch, outs) with their texts and (B*G,) rewards, waited for in the
+        order sent. Versions become step numbers here; is_stale would mean a broken lag bound."""
+        taken, self.queue = self.queue[: self.B], self.queue[self.B :]
+        outs = wait_all([t[1] for t in taken], [f"AsyncEngine#{t[3]}" for t in taken], "generate")
+        scored = wait_all([t[2] for t in taken], [f"RewardWorker#{t[3]}" for t in taken], "score")
+        texts, rewards = [t for s in scored for t in s[0]], [r for s in scored for r in s[1]]
+        for (group,) in outs:  # one prompt per call
             for s in group:
                 s["versions"] = [self.start + v for v in s["versions"]]
             if is_stale([s["versions"] for s in group], step, self.args.max_lag):
-                self.dropped, self.live = self.dropped + 1, self.live - 1
-                self.fill()
-                continue
-            batch.append(prompt)
-            outs.append(group)
-        return batch, outs
+                raise RuntimeError(f"a group of step {step + 1} lags more than --max-lag")
+        return [t[0] for t in taken], [o[0] for o in outs], texts, torch.tensor(rewards)
 
     def engine_stats(self) -> dict:
         """Summed over the engines: tokens sampled, seconds idle (no request: waiting for weights),
@@ -710,8 +701,9 @@ class Rollouts:
         return {key: sum(x[key] for x in stats) for key in stats[0]}
 
     def close(self):
-        for ref in self.pending:  # the requests in flight are aborted in the engines
-            ray.cancel(ref)
+        for _, group, scores, _ in self.queue:  # the requests in flight are aborted in the engines
+            ray.cancel(group)
+            ray.cancel(scores)
         call(self.engines, "shutdown")
 
 

@@ -53,10 +53,7 @@ class AsyncEngine:
                 token_ids += c.token_ids
                 logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
                 self.stats["tokens"] += len(c.token_ids)
-            versions = [0] * len(token_ids)
-            for span in c.weight_versions or []:  # [start, end) sampled by `version` ("default": 0)
-                version = int(span.version.replace("default", "0"))
-                versions[span.start : span.end] = [version] * (span.end - span.start)
+            versions = token_versions(len(token_ids), c.weight_versions)
             return dict(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason,
                         versions=versions)  # fmt: skip
 
@@ -127,3 +124,18 @@ class AsyncEngine:
 
     async def shutdown(self):
         self.llm.shutdown()  # stops the engine-core process now rather than at interpreter teardown
+
+
+def token_versions(num_tokens: int, spans) -> list[int]:
+    """The weight version of each sampled token, from vLLM's spans ([start, end) sampled by weights
+    `version`; "default": the first, 0). A token without a span is not guessed: the run stops."""
+    versions = [None] * num_tokens
+    for span in spans or []:
+        versions[span.start : span.end] = [int(span.version.replace("default", "0"))] * (
+            span.end - span.start
+        )
+    if None in versions:
+        labelled = num_tokens - versions.count(None)
+        raise RuntimeError(f"vLLM gave a weight version to {labelled} of {num_tokens} sampled "
+                           "tokens: lags and the lag bound cannot be known")  # fmt: skip
+    return versions

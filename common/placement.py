@@ -23,6 +23,7 @@ from common.errors import InputError, RunError, stop_on_signals
 RPC_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RPC_TIMEOUT", 3600))
 # A cold vLLM start on GPU (compile, autotune): 207 s for 0.5B on an H100; more with TP, big models
 START_TIMEOUT_S = float(os.environ.get("POSTTRAIN_START_TIMEOUT", 1800))
+WATCH_S = 5.0  # how often a call's wait checks the actors it watches
 
 
 def count_gpus() -> tuple[int, str]:
@@ -239,40 +240,44 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
     return device
 
 
-def call(actors: list, method: str, *args, per_rank: list | None = None, timeout=None) -> list:
+def call(actors: list, method: str, *args, per_rank=None, timeout=None, watch=()) -> list:
     """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all.
     A dead actor or one that does not answer within `timeout` seconds becomes a one-line RunError
-    naming it, not a hang; the other actors' calls are cancelled by the shutdown that follows."""
+    naming it, not a hang; the other actors' calls are cancelled by the shutdown that follows.
+    `watch`: actors that work meanwhile (engines generating while trainers train), checked every
+    WATCH_S seconds: one that dies ends the wait too, named, in this phase (`method`)."""
     refs = [
         getattr(a, method).remote(*(([per_rank[i]] if per_rank is not None else []) + list(args)))
         for i, a in enumerate(actors)
     ]
-    return wait_all(refs, [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)], method, timeout)
+    names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
+    return wait_all(refs, names, method, timeout, watch)
 
 
-def wait_all(refs: list, names: list[str], what: str, timeout: float | None = None) -> list:
+def wait_all(refs: list, names: list[str], what: str, timeout=None, watch=()) -> list:
     timeout = RPC_TIMEOUT_S if timeout is None else timeout
-    pending = dict(zip(refs, names))
+    pending, watched = dict(zip(refs, names)), {}
+    for i, actor in enumerate(watch):  # a ping each, answered at once or after its current call
+        watched[actor.__ray_ready__.remote()] = (actor, f"{actor_name(actor)}#{i}")
     left, deadline = list(refs), time.monotonic() + timeout
     # One at a time: a failure surfaces at once, even while its peers hang in a collective.
     while left:
         wait_s = max(0.0, deadline - time.monotonic())
+        wait_s = min(wait_s, WATCH_S) if watched else wait_s
         ready, left = ray.wait(left, num_returns=1, timeout=wait_s, fetch_local=False)
-        if not ready:
+        for ping in (
+            ray.wait(list(watched), num_returns=len(watched), timeout=0)[0] if watch else []
+        ):
+            actor, name = watched.pop(ping)
+            _get(ping, name, what)  # a watched actor that died
+            watched[actor.__ray_ready__.remote()] = (actor, name)
+        if ready:
+            _get(ready[0], pending[ready[0]], what)
+        elif time.monotonic() >= deadline:
             late = ", ".join(pending[r] for r in left)
             hint = " (raise POSTTRAIN_START_TIMEOUT to wait longer)" if what == "start-up" else ""
             raise RunError(f"{late} did not finish {what} within {timeout:.0f} s{hint}")
-        _get(ready[0], pending[ready[0]], what)
     return ray.get(refs)
-
-
-def wait_first(pending: dict, what: str) -> tuple:
-    """(ref, result) of the first of `pending` ({ref: actor name}) to finish; a failure names it."""
-    ready, _ = ray.wait(list(pending), num_returns=1, timeout=RPC_TIMEOUT_S, fetch_local=False)
-    if not ready:
-        names = ", ".join(sorted(set(pending.values())))
-        raise RunError(f"no {what} call finished within {RPC_TIMEOUT_S:.0f} s ({names})")
-    return ready[0], _get(ready[0], pending[ready[0]], what)
 
 
 def _get(ref, name: str, what: str):

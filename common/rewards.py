@@ -1,10 +1,13 @@
 """The reward harness: a reward function called for every sampled response, guarded so that a
-broken one (a raise, a hang, a non-number) ends the run with a line naming it, the step, the row."""
+broken one (a raise, a hang, a non-number) ends the run with a line naming it, the step, the row;
+in the driver, or (grpo_async.py) in reward workers that score groups as they are sampled."""
 
 import math
 import numbers
 import signal
 import threading
+
+import ray
 
 from common.errors import RunError
 
@@ -48,3 +51,27 @@ def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, la
     finally:
         signal.signal(signal.SIGUSR1, previous)
     return out
+
+
+@ray.remote(num_cpus=0)
+class RewardWorker:
+    """call_reward in an actor of its own, on its main thread (where math-verify's and the timeout's
+    signals work), so that grpo_async.py scores each group as soon as it is sampled, while the
+    trainers train. score() returns (texts, rewards); a broken reward function's line comes back as
+    a RuntimeError (a RunError raised in an actor would end the actor without saying why)."""
+
+    def __init__(self, fn, tokenizer_path: str, timeout: float):
+        from transformers import AutoTokenizer
+
+        self.fn, self.timeout = fn, timeout
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    def score(self, outs: list, answer: str, where: str, labels: list[str]) -> tuple:
+        """outs: one engine.generate result for one prompt, [[sample] * n]."""
+        texts = [self.tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in outs[0]]
+        try:
+            return texts, call_reward(
+                self.fn, [(t, answer) for t in texts], where, self.timeout, labels
+            )
+        except RunError as e:
+            raise RuntimeError(str(e.code).removeprefix("error: ")) from None

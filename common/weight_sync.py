@@ -31,12 +31,12 @@ def sync_weights(trainers: list, engines: list, colocated: bool) -> None:
     IPC copies are freed in between); the check needs them awake."""
     if colocated:
         call(engines, "wake_up", ["weights"])
-    call(trainers, "push_weights")
+    call(trainers, "push_weights", watch=engines)  # an engine that dies in the transfer: named
     if colocated:  # an engine that is not fully awake schedules nothing: its generate would hang
         for i, awake in enumerate(call(engines, "wake_up", ["kv_cache"])):
             if not awake:
                 raise RunError(f"{actor_name(engines[i])}#{i} is still asleep after its wake-up")
-    call(trainers, "check_weights")
+    call(trainers, "check_weights", watch=engines)
 
 
 def choose_backend(use_gpu: bool, colocate: bool) -> str:

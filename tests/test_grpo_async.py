@@ -5,6 +5,7 @@ run."""
 import json
 import os
 import re
+import threading
 import time
 import uuid
 
@@ -17,6 +18,7 @@ from test_weight_sync import SyncTrainer
 
 import grpo_async
 import sft
+from common import placement
 from common.async_engine import AsyncEngine
 from common.data import encode_prompt, pack
 from common.engines import spawn_engines
@@ -117,9 +119,10 @@ def test_diff_to_grpo_is_small_and_every_hunk_is_tagged():
 
 @ray.remote
 class StandInEngine:
-    """AsyncEngine's interface without vLLM: a group takes 0.05 s, or 0.8 s for every 5th seed (a
-    straggler), or after hold() an hour; its tokens carry the version the engine held when the group
-    started."""
+    """AsyncEngine's interface without vLLM. A group's tokens come one by one, 0.02 s apart: 3 of
+    them, or 40 for every 4th seed (a long response, which spans weight updates); each token carries
+    the version the engine holds when it is sampled, so a response can mix versions. After hold(),
+    a group never ends."""
 
     def __init__(self):
         self.version, self.cancelled, self.tokens, self.held = 0, 0, 0, False
@@ -133,14 +136,17 @@ class StandInEngine:
     async def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
         import asyncio
 
-        version = self.version
+        versions = []
         try:
-            await asyncio.sleep(3600 if self.held else 0.8 if seeds[0] % 5 == 0 else 0.05)
+            while self.held or len(versions) < (40 if seeds[0] % 4 == 0 else 3):
+                await asyncio.sleep(0.02)
+                versions.append(self.version)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        self.tokens += n * 3
-        return [[{"token_ids": [1, 2, 3], "logprobs": [0.0] * 3, "versions": [version] * 3}] * n]
+        self.tokens += n * len(versions)
+        sample = {"token_ids": [7] * len(versions), "logprobs": [0.0] * len(versions)}
+        return [[{**sample, "versions": versions}] * n]
 
     async def set_version(self, version):
         self.version = version
@@ -152,48 +158,60 @@ class StandInEngine:
         pass
 
 
-@pytest.mark.parametrize("max_lag", [0, 1])
-def test_rollouts_keep_the_lag_bound_and_the_buffer_bounded(max_lag):
-    """The driver's side (grpo_async.Rollouts) against stand-in engines: with stragglers, a step
-    never takes a token older than step - K, stale groups are dropped and counted, at most (K + 1) x
-    B groups are out at once, and close() aborts the ones in flight."""
+def run_stand_in_steps(engines, builtin_dir, max_lag: int, steps: int, train_s: float):
+    """grpo_async.Rollouts as main() drives it, a step taking `train_s` seconds of "training":
+    (the long share of the groups each step took, every trained token's lag, the longest wait)."""
+    args = grpo_async.Args(prompts_per_step=4, num_generations=2, max_lag=max_lag, seed=3,
+                           num_steps=steps)  # fmt: skip
+    train = [grpo_async.Prompt([i], "1", "q", i + 1) for i in range(50)]
+    rollouts = grpo_async.Rollouts(engines, train, 0, args, (grpo_async.reward_fn, builtin_dir))
+    long_share, lags, waits = [], [], []
+    for step in range(steps):
+        assert len(rollouts.queue) <= (max_lag + 1) * args.prompts_per_step  # the bounded buffer
+        started = time.monotonic()
+        batch, outs, texts, rewards = rollouts.take(step)
+        waits.append(time.monotonic() - started)
+        assert len(batch) == len(outs) == 4 and len(texts) == len(rewards) == 8
+        long_share.append(sum(len(group[0]["token_ids"]) == 40 for group in outs) / 4)
+        lags += [step - v for group in outs for s in group for v in s["versions"]]
+        time.sleep(train_s)
+        ray.get([e.set_version.remote(step + 1) for e in engines])  # the push
+        rollouts.fill(step + 1)
+    return rollouts, long_share, lags, waits
+
+
+def test_rollouts_train_what_was_sampled_within_the_lag_bound(builtin_dir):
+    """The driver's side (grpo_async.Rollouts) against stand-in engines whose long responses span
+    updates: at K = 0, 1, 2 every step trains the groups sent for it, so the share of long groups
+    trained is the same at every K (no length bias: none is dropped or overtaken); no token is
+    older than step - K, while at K >= 1 some are older than the step (the overlap) and responses
+    mix versions; at most (K + 1) x B groups are out; close() aborts what is in flight, and nothing
+    is sampled for steps after the last."""
     start_ray_cpu()
     engines = [StandInEngine.remote() for _ in range(2)]
     try:
-        args = grpo_async.Args(
-            prompts_per_step=4, num_generations=2, max_lag=max_lag, seed=3, num_steps=20
-        )
-        train = [grpo_async.Prompt([i], "1", "q", i + 1) for i in range(50)]
-        rollouts = grpo_async.Rollouts(engines, train, 0, args)
-        lags = []
-        for step in range(8):
-            assert len(rollouts.pending) <= (max_lag + 1) * args.prompts_per_step
-            batch, outs = rollouts.take(step)
-            assert len(batch) == len(outs) == 4
-            lags += [step - v for group in outs for s in group for v in s["versions"]]
-            time.sleep(0.1)  # "training"
-            ray.get([e.set_version.remote(step + 1) for e in engines])  # the push
-            rollouts.version = step + 1
-            rollouts.fill()
-        assert min(lags) >= 0 and max(lags) <= max_lag
-        if max_lag == 0:
-            assert rollouts.dropped == 0 and set(lags) == {0}  # nothing is sampled ahead: on-policy
-        else:
-            assert rollouts.dropped > 0 and set(lags) == {
-                0,
-                1,
-            }  # stragglers are dropped; the rest may lag by 1
-        assert rollouts.sent == 8 * 4 + rollouts.dropped + len(rollouts.pending)
-        ray.get([e.hold.remote() for e in engines])  # from now on a group never finishes by itself
-        rollouts.version += 1
-        rollouts.fill()  # 4 more groups, in flight until close() aborts them
-        rollouts.close()
+        shares = {}
+        for max_lag in (0, 1, 2):
+            rollouts, shares[max_lag], lags, _ = run_stand_in_steps(
+                engines, builtin_dir, max_lag, steps=8, train_s=0.1
+            )
+            assert min(lags) >= 0 and max(lags) <= max_lag
+            assert (max(lags) == max_lag) if max_lag <= 1 else max(lags) >= 1, (max_lag, set(lags))
+            rollouts.close()
+            ray.get([e.set_version.remote(0) for e in engines])
+        assert shares[0] == shares[1] == shares[2] and 0 < sum(shares[0]) < 8
+        ray.get([e.hold.remote() for e in engines])  # from now on a group never ends by itself
+        held = grpo_async.Rollouts(engines, [grpo_async.Prompt([1], "1", "q", 1)] * 8, 0,
+                                   grpo_async.Args(prompts_per_step=4, max_lag=1, num_steps=20),
+                                   (grpo_async.reward_fn, builtin_dir))  # fmt: skip
+        held.close()
         time.sleep(0.5)
         cancelled = sum(s["cancelled"] for s in ray.get([e.get_stats.remote() for e in engines]))
-        assert cancelled >= 4
+        assert cancelled >= 4  # the groups the engines had started, aborted there
         last = grpo_async.Rollouts(
-            engines, train, 5, grpo_async.Args(prompts_per_step=4, max_lag=3, num_steps=6)
-        )
+            engines, [grpo_async.Prompt([1], "1", "q", 1)] * 8, 5,
+            grpo_async.Args(prompts_per_step=4, max_lag=3, num_steps=6), (grpo_async.reward_fn, builtin_dir),
+        )  # fmt: skip
         assert last.sent - 5 * 4 == 4  # nothing is sampled for steps after the last
         last.close()
         # A dead engine in a weight update: trainer rank 0 reports it as a plain error that names
@@ -201,6 +219,37 @@ def test_rollouts_keep_the_lag_bound_and_the_buffer_bounded(max_lag):
         ray.kill(engines[1])
         with pytest.raises(RuntimeError, match=r"^StandInEngine#1 died during start_weight_update"):
             EngineClient(engines, tp=1).start_weight_update()
+    finally:
+        for engine in engines:
+            ray.kill(engine)
+
+
+def test_rewards_are_scored_while_the_trainers_train(builtin_dir, tmp_path):
+    """A reward function that takes 2 s per response: the reward workers (one per engine) score
+    each group as soon as it is sampled, during the step before (here 6 s of "training"), so from
+    the second step on a step finds its groups scored; scoring them after take() would cost every
+    step 2 s x 4 samples / 2 workers = 4 s."""
+    start_ray_cpu()
+    (tmp_path / "slow.py").write_text("import time\ndef r(response, answer):\n"
+                                      "    time.sleep(2)\n    return 1.0\n")  # fmt: skip
+    from common.data import load_function
+
+    engines = [StandInEngine.remote() for _ in range(2)]
+    try:
+        args = grpo_async.Args(prompts_per_step=2, num_generations=2, max_lag=1, num_steps=3)
+        train = [grpo_async.Prompt([i], "1", "q", i + 1) for i in range(1, 50, 4)]  # all short
+        slow = (load_function(f"{tmp_path / 'slow.py'}:r"), builtin_dir)
+        rollouts = grpo_async.Rollouts(engines, train, 0, args, slow)
+        waits = []
+        for step in range(3):
+            started = time.monotonic()
+            rollouts.take(step)
+            waits.append(time.monotonic() - started)
+            time.sleep(6)  # training
+            ray.get([e.set_version.remote(step + 1) for e in engines])
+            rollouts.fill(step + 1)
+        assert waits[0] >= 4 and max(waits[1:]) < 0.5, waits
+        rollouts.close()
     finally:
         for engine in engines:
             ray.kill(engine)
@@ -216,7 +265,7 @@ def check_run(run_dir: str, steps: range, max_lag: int) -> list[dict]:
     metrics = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "train/loss" in r]
     metrics = [r for r in metrics if r["step"] in steps]
     assert [r["step"] for r in metrics] == list(steps)
-    for key in ("rollout/lag_mean", "rollout/lag_max", "rollout/dropped_groups", "time/wait_rollouts",
+    for key in ("rollout/lag_mean", "rollout/lag_max", "time/wait_rollouts",
                 "time/engine_idle", "time/engine_paused", "perf/generate_tokens_per_s", "perf/train_tokens_per_s"):  # fmt: skip
         assert all(key in r for r in metrics), key
     assert all(r["rollout/lag_max"] <= max_lag for r in metrics)
@@ -265,7 +314,7 @@ def test_end_to_end_run_then_resume_on_policy_until_the_engine_dies(tiny_model, 
     status, error = run.finish(within=60)  # also: no process of the run left
     assert status == 1 and "AsyncEngine#0 died during" in error, error
     metrics = check_run(run_dir, range(1, 5), max_lag=1)  # rows 3-4 replaced by the resumed run's
-    assert all(r["rollout/lag_max"] == 0 and r["rollout/dropped_groups"] == 0 for r in metrics[2:])
+    assert all(r["rollout/lag_max"] == 0 for r in metrics[2:])
     # the first run's rows after step 2 were rolled back: steps 3-4 are the resumed run's, once
     samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
     assert [s["step"] for s in samples][:32] == [1] * 8 + [2] * 8 + [3] * 8 + [4] * 8
@@ -291,3 +340,54 @@ def test_plot_overlays_runs_against_wall_clock(tmp_path):
     assert step_seconds({"time/step": [(1, 40.0), (2, 35.0)]}) == {0: 0.0, 1: 40.0, 2: 75.0}
     written = plot_runs(runs, str(tmp_path / "plots"), x="time")
     assert sorted(os.path.basename(p) for p in written) == ["eval.png", "rollout.png", "time.png"]
+
+
+def test_staleness_is_decided_by_the_oldest_token():
+    """is_stale on responses that mix versions: one token older than step - K makes the group stale
+    (a rule keyed on the newest token would let lag 3 through here at K = 1)."""
+    mixed = [[3, 3, 4, 5], [5, 5]]  # the first response spans two updates
+    assert grpo_async.is_stale(mixed, step=5, max_lag=1)
+    assert not grpo_async.is_stale(mixed, step=5, max_lag=2)
+    assert not grpo_async.is_stale([[4, 5]], step=5, max_lag=1)
+
+
+def test_tokens_without_a_weight_version_stop_the_run():
+    """vLLM's spans give each sampled token its weight version; a token left without one is not
+    labelled 0 (which would make every lag wrong): the engine's generate fails, naming the count."""
+    from types import SimpleNamespace as Span
+
+    from common.async_engine import token_versions
+
+    spans = [Span(start=0, end=2, version="default"), Span(start=2, end=5, version="3")]
+    assert token_versions(5, spans) == [0, 0, 3, 3, 3]
+    assert token_versions(0, None) == []
+    with pytest.raises(RuntimeError, match="gave a weight version to 0 of 4 sampled tokens"):
+        token_versions(4, None)
+    with pytest.raises(RuntimeError, match="to 2 of 5 sampled tokens"):
+        token_versions(5, spans[:1])
+
+
+@ray.remote
+class Busy:
+    def work(self, seconds: float):
+        time.sleep(seconds)
+
+
+def test_a_call_ends_when_an_actor_it_watches_dies():
+    """The liveness watch: while the trainers train (or receive weights, or save) the engines work
+    on their own; one that dies ends the driver's wait within seconds, naming it and the phase,
+    instead of at the next call to it (or after a hung transfer's timeout)."""
+    start_ray_cpu()
+    trainer, engine = Busy.options(num_cpus=0).remote(), StandInEngine.remote()
+    try:
+        killer = threading.Timer(1.0, ray.kill, (engine,))
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(SystemExit, match=r"^error: StandInEngine#0 died during work: "):
+            call([trainer], "work", 60, watch=[engine])
+        assert time.monotonic() - started < 1 + 2 * placement.WATCH_S
+        ray.kill(trainer)
+        trainer = Busy.options(num_cpus=0).remote()
+        assert call([trainer], "work", 0.1, watch=[]) == [None]  # nothing watched: a plain call
+    finally:
+        ray.kill(trainer)
