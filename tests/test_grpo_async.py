@@ -204,6 +204,7 @@ def test_rollouts_train_what_was_sampled_within_the_lag_bound(builtin_dir):
         held = grpo_async.Rollouts(engines, [grpo_async.Prompt([1], "1", "q", 1)] * 8, 0,
                                    grpo_async.Args(prompts_per_step=4, max_lag=1, num_steps=20),
                                    (grpo_async.reward_fn, builtin_dir))  # fmt: skip
+        time.sleep(1.0)  # the engines start them (a call cancelled before it starts never arrives)
         held.close()
         time.sleep(0.5)
         cancelled = sum(s["cancelled"] for s in ray.get([e.get_stats.remote() for e in engines]))
@@ -217,6 +218,10 @@ def test_rollouts_train_what_was_sampled_within_the_lag_bound(builtin_dir):
         # A dead engine in a weight update: trainer rank 0 reports it as a plain error that names
         # the engine.
         ray.kill(engines[1])
+        with pytest.raises(ray.exceptions.RayActorError):  # dead (ray.kill returns before)
+            for _ in range(100):
+                ray.get(engines[1].__ray_ready__.remote())
+                time.sleep(0.1)
         with pytest.raises(RuntimeError, match=r"^StandInEngine#1 died during start_weight_update"):
             EngineClient(engines, tp=1).start_weight_update()
     finally:
