@@ -65,6 +65,8 @@ class Args:
     """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
     save_every: Annotated[int, ">= 0"] = 0
     """save a resumable checkpoint every N steps (0: only the final model)"""
+    save_final: bool = True
+    """save the final model (checkpoints/final, HF format); --no-save-final skips it (the labs do)"""
     eval_every: Annotated[int, ">= 1"] = 10
     """evaluate every N steps, and before the first and after the last"""
 
@@ -583,12 +585,13 @@ def main(args: Args):
 
     # ---- teardown: final model in HF format ----
     # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
-    with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
-        call(trainers, "save", folder, args.num_steps, args.save_every > 0)
+    if args.save_final:
+        with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
+            call(trainers, "save", folder, args.num_steps, args.save_every > 0)
+        run.print(f"final model: {run.checkpoint_dir('final')}")
     if first and "eval/accuracy" in metrics:
         before, after = first["eval/accuracy"], metrics["eval/accuracy"]
         run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
-    run.print(f"final model: {run.checkpoint_dir('final')}")
     run.close()
     ray.shutdown()
 

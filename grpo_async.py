@@ -64,6 +64,8 @@ class Args:
     """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
     save_every: Annotated[int, ">= 0"] = 0
     """save a resumable checkpoint every N steps (0: only the final model)"""
+    save_final: bool = True
+    """save the final model (checkpoints/final, HF format); --no-save-final skips it (the labs do)"""
     eval_every: Annotated[int, ">= 1"] = 10
     """evaluate every N steps, and before the first and after the last"""
 
@@ -610,12 +612,13 @@ def main(args: Args):
         json.dump({"steps": phases, "engines": call(engines, "get_timeline")}, f)
     rollouts.close()  # abort the groups still in flight, stop the engines
     # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
-    with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
-        call(trainers, "save", folder, args.num_steps, args.save_every > 0)
+    if args.save_final:
+        with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
+            call(trainers, "save", folder, args.num_steps, args.save_every > 0)
+        run.print(f"final model: {run.checkpoint_dir('final')}")
     if first and "eval/accuracy" in metrics:
         before, after = first["eval/accuracy"], metrics["eval/accuracy"]
         run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
-    run.print(f"final model: {run.checkpoint_dir('final')}")
     run.close()
     ray.shutdown()
 

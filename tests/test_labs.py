@@ -89,6 +89,26 @@ def test_every_lab_has_its_files_and_is_linked():
         )
 
 
+def test_every_question_has_an_answer_and_every_handout_starts_in_the_environment():
+    """labs/ANSWERS.md answers every question of every handout (one **Qn.** per numbered question,
+    in a section per lab); each handout's first command is the project's environment, and its
+    training commands write no final checkpoint."""
+    with open(os.path.join(LABS_DIR, "ANSWERS.md")) as f:
+        answers = re.split(r"^## Lab (\d\d)\b", f.read(), flags=re.M)
+    keys = dict(zip(answers[1::2], answers[2::2]))
+    for lab in LABS:
+        with open(os.path.join(LABS_DIR, lab, "README.md")) as f:
+            text = f.read()
+        questions = re.findall(r"^(\d)\. ", text.split("\n## Questions\n")[1], re.M)
+        assert questions == [str(i) for i in range(1, len(questions) + 1)] and questions, lab
+        found = re.findall(r"^\*\*Q(\d)\.\*\*", keys.get(lab[:2], ""), re.M)
+        assert found == questions, f"labs/ANSWERS.md, lab {lab[:2]}: answers {found}"
+        first = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+        assert "source .venv/bin/activate" in first, f"{lab}: first command {first!r}"
+        for command in readme_commands(lab, parent_of(lab)):
+            assert "--no-save-final" in command, f"{lab}: {command}"
+
+
 @pytest.mark.parametrize("lab", LABS)
 def test_solution_applies_passes_its_grader_and_the_parent_fails(lab, tmp_path):
     parent = parent_of(lab)

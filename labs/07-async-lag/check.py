@@ -18,29 +18,37 @@ with g.check(
     "is_stale(versions, step, K): a group is too old when any token's weights are older than step - K",
     hint="versions holds one list of per-token weight versions per response of the group",
 ):
-    group = [[3, 3, 4], [4, 4], [5]]
-    got = [
-        m.is_stale(group, step, k) for step, k in ((4, 0), (4, 1), (5, 1), (5, 2), (6, 2), (6, 3))
+    cases = [  # (versions, step, K, stale?)
+        ([[3, 3, 4], [4, 4], [5]], 4, 0, True),
+        ([[3, 3, 4], [4, 4], [5]], 4, 1, False),
+        ([[3, 3, 4], [4, 4], [5]], 5, 1, True),
+        ([[3, 3, 4], [4, 4], [5]], 5, 2, False),
+        ([[4, 4], [5, 3, 5]], 6, 2, True),
+        ([[4, 4], [5, 3, 5]], 6, 3, False),
+        ([[7], [7, 7]], 7, 0, False),
     ]
-    expect(
-        got == [True, False, True, False, True, False],
-        f"{got} for steps/K (4,0) (4,1) (5,1) (5,2) (6,2) (6,3)",
-    )
-    expect(
-        not m.is_stale([[7], [7, 7]], 7, 0), "a group of the current version is stale with K = 0"
-    )
+    wrong = [
+        f"is_stale({v}, step={step}, K={k}) returned {m.is_stale(v, step, k)!r}"
+        for v, step, k, stale in cases
+        if bool(m.is_stale(v, step, k)) != stale
+    ]
+    expect(not wrong, "; ".join(wrong[:3]))
 
 with g.check(
-    "lag_shares(lags, K): the share of the tokens at each lag 0..K",
-    hint="one number per lag k = 0, 1, ..., K (K + 1 numbers) that sum to 1 when no token is older than K",
+    "lag_shares(lags, K): a list of K + 1 floats, the share of the tokens at each lag 0..K",
+    hint="one number per lag k = 0, 1, ..., K, in a list (index k: lag k); they sum to 1 when no token is older than K",
 ):
-    shares = m.lag_shares(torch.tensor([0.0, 0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.0]), 2)
-    expect(
-        close(shares, [0.625, 0.25, 0.125]),
-        f"{rounded(shares)} for lags [0, 0, 1, 2, 1, 0, 0, 0], K = 2",
-    )
-    shares = m.lag_shares(torch.tensor([0.0, 0.0]), 1)
-    expect(close(shares, [1.0, 0.0]), f"{rounded(shares)} for lags [0, 0], K = 1")
+    for lags, k, want in (
+        ([0.0, 0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.0], 2, [0.625, 0.25, 0.125]),
+        ([0.0, 0.0], 1, [1.0, 0.0]),
+    ):
+        shares = m.lag_shares(torch.tensor(lags), k)
+        got = f"{rounded(shares)} for lags {lags}, K = {k}"
+        expect(
+            isinstance(shares, (list, tuple, torch.Tensor)),
+            f"a {type(shares).__name__} ({got}): return a list of K + 1 floats",
+        )
+        expect(close(shares, want), got)
 
 if g.needs_run():
     flags = ["--max-lag", "2", "--num-steps", "3", "--eval-every", "100", "--eval-dataset", ""]
