@@ -135,12 +135,15 @@ def test_sft_end_to_end_checkpoint_and_resume(tiny_model, tmp_path):
     assert os.path.isfile(os.path.join(run_dir, "config.json"))
 
     # resume from step 2: the third step sees the same data and optimizer state, so it logs the same
-    # loss
+    # loss; with --no-save-final the final model of the first run stays as it was
     ckpt = os.path.join(run_dir, "checkpoints", "step_2")
-    resumed = run_script(
-        "sft.py", *sft_args(tiny_model, tmp_path / "full", "--num-steps", "3", "--resume", ckpt)
-    )
+    saved = os.stat(os.path.join(final, "config.json"))
+    flags = ("--num-steps", "3", "--resume", ckpt, "--no-save-final")
+    resumed = run_script("sft.py", *sft_args(tiny_model, tmp_path / "full", *flags))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kept = os.stat(os.path.join(final, "config.json"))
+    assert (kept.st_ino, kept.st_mtime_ns) == (saved.st_ino, saved.st_mtime_ns)
+    assert "final model:" not in resumed.stdout
     rows2 = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows2] == [0, 1, 2, 3]
     assert rows2[-1]["train/loss"] == pytest.approx(rows[-1]["train/loss"], abs=1e-4)

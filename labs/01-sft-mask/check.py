@@ -27,33 +27,42 @@ with g.check(
     "make_sequence(ids, mask) still trains on the assistant's tokens only",
     hint="without all_tokens nothing changes: labels[t] = ids[t+1], trained iff token t+1 is an assistant token",
 ):
+    given = "for ids [10, 11, 12, 13, 14], mask [0, 0, 1, 1, 1]"
     out = m.make_sequence([10, 11, 12, 13, 14], [0, 0, 1, 1, 1])
-    expect(out["labels"] == [11, 12, 13, 14, 0], f"labels {out['labels']}")
-    expect(out["loss_mask"] == [0, 1, 1, 1, 0], f"loss_mask {out['loss_mask']}")
+    expect(out["labels"] == [11, 12, 13, 14, 0], f"labels {out['labels']} {given}")
+    expect(out["loss_mask"] == [0, 1, 1, 1, 0], f"loss_mask {out['loss_mask']} {given}")
     out = m.make_sequence([10, 11, 12, 13, 14, 15, 16], [0, 1, 1, 0, 0, 1, 1])  # two turns
     expect(
-        out["loss_mask"] == [1, 1, 0, 0, 1, 1, 0], f"loss_mask of a two-turn row {out['loss_mask']}"
+        out["loss_mask"] == [1, 1, 0, 0, 1, 1, 0],
+        f"loss_mask {out['loss_mask']} for ids [10, ..., 16], mask [0, 1, 1, 0, 0, 1, 1]",
     )
 
 with g.check(
     "all_token_targets(make_sequence(ids, mask)) trains on every token that has a next token",
     hint="every position t < T-1 predicts ids[t+1], prompt or not; the last position has nothing to predict",
 ):
+    given = "for ids [10, 11, 12, 13, 14], mask [0, 0, 1, 1, 1]"
     out = m.all_token_targets(m.make_sequence([10, 11, 12, 13, 14], [0, 0, 1, 1, 1]))
-    expect(out["input_ids"] == [10, 11, 12, 13, 14], f"input_ids {out['input_ids']}")
-    expect(out["labels"] == [11, 12, 13, 14, 0], f"labels {out['labels']}")
-    expect(out["loss_mask"] == [1, 1, 1, 1, 0], f"loss_mask {out['loss_mask']}")
+    expect(out["input_ids"] == [10, 11, 12, 13, 14], f"input_ids {out['input_ids']} {given}")
+    expect(out["labels"] == [11, 12, 13, 14, 0], f"labels {out['labels']} {given}")
+    expect(out["loss_mask"] == [1, 1, 1, 1, 0], f"loss_mask {out['loss_mask']} {given}")
     out = m.all_token_targets(m.make_sequence([10, 11, 12, 13, 14, 15, 16], [0, 1, 1, 0, 0, 1, 1]))
-    expect(out["loss_mask"] == [1] * 6 + [0], f"loss_mask of a two-turn row {out['loss_mask']}")
+    expect(
+        out["loss_mask"] == [1] * 6 + [0],
+        f"loss_mask {out['loss_mask']} for ids [10, ..., 16], mask [0, 1, 1, 0, 0, 1, 1]",
+    )
 
 with g.check(
     "edge cases: a one-token row, and a row that is all prompt",
     hint="a single token predicts nothing; with all_tokens a row's targets do not depend on its assistant mask",
 ):
     out = m.all_token_targets(m.make_sequence([7], [1]))
-    expect(out["loss_mask"] == [0], f"one-token row: loss_mask {out['loss_mask']}")
+    expect(out["loss_mask"] == [0], f"loss_mask {out['loss_mask']} for ids [7], mask [1]")
     out = m.all_token_targets(m.make_sequence([7, 8, 9], [0, 0, 0]))
-    expect(out["loss_mask"] == [1, 1, 0], f"all-prompt row: loss_mask {out['loss_mask']}")
+    expect(
+        out["loss_mask"] == [1, 1, 0],
+        f"loss_mask {out['loss_mask']} for ids [7, 8, 9], mask [0, 0, 0]",
+    )
 
 if g.needs_run():
     flags = ["--all-tokens", "--num-steps", "4", "--eval-every", "4", "--accuracy-dataset", ""]

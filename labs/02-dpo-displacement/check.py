@@ -64,6 +64,7 @@ with g.check(
 logprobs = torch.tensor([[-4.0, -6.0], [-3.0, -9.0]])  # (P, 2) summed log π_θ of (chosen, rejected)
 ref_logprobs = torch.tensor([[-5.0, -5.0], [-3.0, -8.0]])
 lengths = torch.tensor([[2.0, 3.0], [4.0, 1.0]])  # tokens of each response
+given = f"for logprobs {logprobs.tolist()}, ref_logprobs {ref_logprobs.tolist()}, lengths {lengths.tolist()}"
 
 with g.check(
     "compute_loss(logprobs, ref_logprobs, lengths, args) with nll_coef = 0 is plain DPO",
@@ -72,9 +73,11 @@ with g.check(
     losses, rewards = m.compute_loss(logprobs, ref_logprobs, lengths, m.Args(beta=0.1))
     expect(
         close(losses, [math.log1p(math.exp(-0.2)), math.log1p(math.exp(-0.1))]),
-        f"losses {rounded(losses)}",
+        f"losses {rounded(losses)} {given}, β = 0.1",
     )
-    expect(close(rewards, [[0.1, -0.1], [0.0, -0.1]]), f"rewards {rounded(rewards)}")
+    expect(
+        close(rewards, [[0.1, -0.1], [0.0, -0.1]]), f"rewards {rounded(rewards)} {given}, β = 0.1"
+    )
 
 with g.check(
     "compute_loss with nll_coef = α adds α times the chosen response's mean token NLL",
@@ -84,12 +87,14 @@ with g.check(
     losses, _ = m.compute_loss(logprobs, ref_logprobs, lengths, m.Args(beta=0.1, nll_coef=0.5))
     expect(
         close(losses, [math.log1p(math.exp(-0.2)) + 1.0, math.log1p(math.exp(-0.1)) + 0.375]),
-        f"losses {rounded(losses)} with α = 0.5",
+        f"losses {rounded(losses)} {given}, β = 0.1, α = 0.5",
     )
     losses, _ = m.compute_loss(
         logprobs, ref_logprobs, lengths, m.Args(beta=0.1, nll_coef=0.5, ipo=True)
     )
-    expect(close(losses, [10.0, 16.375]), f"losses {rounded(losses)} with α = 0.5 and IPO")
+    expect(
+        close(losses, [10.0, 16.375]), f"losses {rounded(losses)} {given}, β = 0.1, α = 0.5, IPO"
+    )
 
 with g.check(
     "the NLL term's gradient pulls the chosen response up, and only it",
@@ -104,7 +109,7 @@ with g.check(
     diff = with_nll - lp.grad
     expect(
         close(diff, [[-0.5, 0.0], [-0.25, 0.0]]),
-        f"d(loss)/d(logprobs) changed by {rounded(diff)} with α = 1",
+        f"d(loss)/d(logprobs) changed by {rounded(diff)} {given}, β = 0.1, α = 1",
     )
 
 if g.needs_run():

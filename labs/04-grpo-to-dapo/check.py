@@ -34,6 +34,7 @@ ratios = torch.tensor([1.25, 1.25, 0.75, 0.7])
 old = torch.zeros(4)
 logprobs = old + ratios.log()
 advantages = torch.tensor([1.0, -1.0, -1.0, 1.0])
+given = "for ratios [1.25, 1.25, 0.75, 0.7], Â [1, -1, -1, 1]"
 
 with g.check(
     "compute_policy_loss(logprobs, old_logprobs, advantages, 0.2, 0.2) is PPO's clipped surrogate",
@@ -42,23 +43,31 @@ with g.check(
     loss, clipped = m.compute_policy_loss(logprobs, old, advantages, 0.2, 0.2)
     expect(
         close(loss, [-1.2, 1.25, 0.8, -0.7]),
-        f"loss {rounded(loss)} for ratios [1.25, 1.25, 0.75, 0.7]",
+        f"loss {rounded(loss)} {given}, ε = ε_high = 0.2",
     )
-    expect(clipped.tolist() == [True, False, True, False], f"clipped {clipped.tolist()}")
+    expect(
+        clipped.tolist() == [True, False, True, False],
+        f"clipped {clipped.tolist()} {given}, ε = ε_high = 0.2",
+    )
 
 with g.check(
     "compute_policy_loss with ε = 0.2, ε_high = 0.28 clips the ratio to [0.8, 1.28]",
     hint="DAPO §3.1: only the upper end of the clip moves; the lower one stays 1 - ε",
 ):
     loss, clipped = m.compute_policy_loss(logprobs, old, advantages, 0.2, 0.28)
-    expect(close(loss, [-1.25, 1.25, 0.8, -0.7]), f"loss {rounded(loss)}")
-    expect(clipped.tolist() == [False, False, True, False], f"clipped {clipped.tolist()}")
+    expect(
+        close(loss, [-1.25, 1.25, 0.8, -0.7]), f"loss {rounded(loss)} {given}, ε 0.2, ε_high 0.28"
+    )
+    expect(
+        clipped.tolist() == [False, False, True, False],
+        f"clipped {clipped.tolist()} {given}, ε 0.2, ε_high 0.28",
+    )
     loss, clipped = m.compute_policy_loss(
         torch.tensor([math.log(1.5)]), torch.zeros(1), torch.ones(1), 0.2, 0.28
     )
     expect(
         close(loss, [-1.28]) and clipped.tolist() == [True],
-        f"ratio 1.5, Â = 1: loss {rounded(loss)}, clipped {clipped.tolist()}",
+        f"loss {rounded(loss)}, clipped {clipped.tolist()} for ratio 1.5, Â = 1, ε 0.2, ε_high 0.28",
     )
 
 values = {  # the micro-batch's per-token values as compute_loss gets them; TIS weight 1, w_t = 1/4
@@ -75,13 +84,13 @@ with g.check(
     clipped = stats["clipped_tokens"].item()
     expect(
         close(loss, 0.25 * (-1.25 + 1.25 + 0.8 - 0.7)) and clipped == 1,
-        f"loss {rounded(loss)}, {clipped:g} clipped tokens with ε = 0.2, ε_high = 0.28",
+        f"loss {rounded(loss)}, {clipped:g} clipped tokens {given}, weights 1/4, ε 0.2, ε_high 0.28",
     )
     loss, stats = m.compute_loss(logprobs, values, m.Args(clip_eps=0.2, clip_eps_high=0.2))
     clipped = stats["clipped_tokens"].item()
     expect(
         close(loss, 0.25 * (-1.2 + 1.25 + 0.8 - 0.7)) and clipped == 2,
-        f"loss {rounded(loss)}, {clipped:g} clipped tokens with ε = ε_high = 0.2",
+        f"loss {rounded(loss)}, {clipped:g} clipped tokens {given}, weights 1/4, ε = ε_high = 0.2",
     )
 
 rewards = torch.tensor(

@@ -18,6 +18,8 @@ m = g.load()
 rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
 values = torch.tensor([[0.5, 0.6, 0.7], [1.0, 0.5, 9.0]])
 mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+given = f"for rewards {rewards.tolist()}, values {values.tolist()}, mask {mask.tolist()}"
+first = f"for rewards {rewards[:1].tolist()}, values {values[:1].tolist()}"
 
 with g.check(
     "compute_gae with λ = 0 gives the one-step TD errors δ_t",
@@ -26,7 +28,7 @@ with g.check(
     adv, _ = m.compute_gae(rewards, values, mask, 1.0, 0.0, 0.0)
     expect(
         close(adv, [[0.1, 0.1, 0.3], [-0.5, 1.5, 0.0]]),
-        f"advantages {rounded(adv)} with γ = 1, λ = 0",
+        f"advantages {rounded(adv)} {given}, γ = 1, λ = 0",
     )
 
 with g.check(
@@ -36,7 +38,7 @@ with g.check(
     adv, _ = m.compute_gae(rewards, values, mask, 1.0, 1.0, 1.0)
     expect(
         close(adv, [[0.5, 0.4, 0.3], [1.0, 1.5, 0.0]]),
-        f"advantages {rounded(adv)} with γ = 1, λ = 1",
+        f"advantages {rounded(adv)} {given}, γ = 1, λ = 1",
     )
 
 with g.check(
@@ -44,9 +46,10 @@ with g.check(
     hint="both γ and λ discount the next advantage: Â_t = δ_t + γ λ Â_t+1; γ alone discounts V_t+1 in δ_t",
 ):
     adv, ret = m.compute_gae(rewards[:1], values[:1], mask[:1], 0.5, 0.5, 0.5)
-    expect(close(adv, [[-0.24375, -0.175, 0.3]]), f"advantages {rounded(adv, 5)}")
+    expect(close(adv, [[-0.24375, -0.175, 0.3]]), f"advantages {rounded(adv, 5)} {first}")
     expect(
-        close(ret, [[0.25625, 0.425, 1.0]]), f"returns {rounded(ret, 5)} (with λ_critic = λ = 0.5)"
+        close(ret, [[0.25625, 0.425, 1.0]]),
+        f"returns {rounded(ret, 5)} {first}, γ = 0.5, λ_critic = λ = 0.5",
     )
 
 with g.check(
@@ -56,27 +59,27 @@ with g.check(
     adv, ret = m.compute_gae(rewards[:1], values[:1], mask[:1], 0.5, 0.5, 1.0)
     expect(
         close(adv, [[-0.24375, -0.175, 0.3]]),
-        f"advantages {rounded(adv, 5)} (λ = 0.5, λ_critic = 1)",
+        f"advantages {rounded(adv, 5)} {first}, γ = 0.5, λ = 0.5, λ_critic = 1",
     )
-    expect(close(ret, [[0.25, 0.5, 1.0]]), f"returns {rounded(ret, 5)} (γ = 0.5, λ_critic = 1)")
+    expect(
+        close(ret, [[0.25, 0.5, 1.0]]), f"returns {rounded(ret, 5)} {first}, γ = 0.5, λ_critic = 1"
+    )
     _, ret = m.compute_gae(rewards, values, mask, 1.0, 1.0, 0.0)
     expect(
         close(ret, [[0.6, 0.7, 1.0], [0.5, 2.0, 0.0]]),
-        f"returns {rounded(ret)} (γ = 1, λ_critic = 0)",
+        f"returns {rounded(ret)} {given}, γ = 1, λ_critic = 0",
     )
 
 with g.check(
     "masked_var(x, mask): the variance over the masked entries only",
     hint="the biased variance (divide by the count) of the entries where mask is 1; padding does not count",
 ):
-    expect(
-        close(m.masked_var(torch.tensor([[1.0, 3.0, 5.0]]), torch.tensor([[1.0, 1.0, 0.0]])), 1.0),
-        "wrong on [1, 3, (5)]",
-    )
+    var = m.masked_var(torch.tensor([[1.0, 3.0, 5.0]]), torch.tensor([[1.0, 1.0, 0.0]]))
+    expect(close(var, 1.0), f"{rounded(var)} for x [[1, 3, 5]], mask [[1, 1, 0]]")
     var = m.masked_var(
         torch.tensor([[2.0, 2.0], [2.0, 7.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     )
-    expect(close(var, 0.0), f"{var} on [[2, 2], [2, (7)]]")
+    expect(close(var, 0.0), f"{rounded(var)} for x [[2, 2], [2, 7]], mask [[1, 1], [1, 0]]")
 
 if g.needs_run():
     base = ["--num-steps", "1", "--eval-every", "100", "--eval-dataset", ""]
