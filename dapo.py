@@ -66,7 +66,7 @@ class Args:
     save_every: Annotated[int, ">= 0"] = 0
     """save a resumable checkpoint every N steps (0: only the final model)"""
     save_final: bool = True
-    """save the final model (checkpoints/final, HF format); --no-save-final skips it (the labs do)"""
+    """write checkpoints/final (HF format) at the end; the labs skip it with --no-save-final"""
     eval_every: Annotated[int, ">= 1"] = 10
     """evaluate every N steps, and before the first and after the last"""
 

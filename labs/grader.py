@@ -243,7 +243,7 @@ class Grader:
         start, shown, said = time.monotonic(), 0, 0.0
         try:
             while proc.poll() is None:
-                time.sleep(1)
+                time.sleep(0.5)
                 elapsed, done = time.monotonic() - start, _last_step(out)
                 if done > shown or elapsed - said >= 30:
                     what = f"step {done} of {steps} done" if done else "starting"

@@ -229,7 +229,7 @@ def test_the_run_part_reports_progress_stops_a_hang_and_cleans_up(tmp_path):
     check = tmp_path / "check.py"
     check.write_text(FAKE_CHECK.format(labs=LABS))
     bodies = {
-        "good": "time.sleep(2.5)",
+        "good": "time.sleep(1.2)",
         "fails": "print('error: the loss is NaN at step 2') or sys.exit(1) if step == 2 else None",
         "hangs": "time.sleep(600)",
     }

@@ -17,7 +17,7 @@ BUDGET = {
     "rm.py": 510,
     "dpo.py": 610,
     "grpo.py": 785,
-    "ppo.py": 1080,  # + loss_weights (the aggregation in the ALGO block) and whole checkpoints
+    "ppo.py": 1085,  # + loss_weights (ALGO block), whole checkpoints, --no-save-final
     "dapo.py": 830,
     "grpo_async.py": 870,
 }
