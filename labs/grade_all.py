@@ -17,6 +17,7 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,7 @@ def submission(folder: str, wanted: str) -> tuple[str | None, list[str], str]:
     scripts, runs = [], []
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
-        if "config.json" in files and "metrics.jsonl" in files:
+        if "config.json" in files:  # the grader says what is wrong with one that lacks its metrics
             runs.append(root)
             dirs[:] = []  # a run folder's checkpoints hold no runs
         scripts += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
@@ -58,6 +59,8 @@ def submission(folder: str, wanted: str) -> tuple[str | None, list[str], str]:
 
 def grade(lab: str, folder: str, wanted: str, timeout: float) -> dict:
     """The grader's results for one student: {"checks": [...], "error": note or None}."""
+    if not os.path.isdir(folder):
+        return {"checks": [], "error": "not a folder"}
     script, runs, note = submission(folder, wanted)
     if script is None:
         return {"checks": [], "error": note}
@@ -65,14 +68,19 @@ def grade(lab: str, folder: str, wanted: str, timeout: float) -> dict:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.join(lab, "check.py"), script, "--json", out]
         cmd += [arg for run in runs for arg in ("--run-dir", run)] or ["--no-run"]
+        # its own session: a timeout ends the grader and all it started
+        proc = subprocess.Popen(
+            cmd, cwd=os.path.dirname(LABS), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
         try:
-            proc = subprocess.run(
-                cmd, cwd=os.path.dirname(LABS), capture_output=True, text=True, timeout=timeout
-            )
+            output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return {"checks": [], "error": f"the grader did not finish in {timeout:g} s"}
         if not os.path.isfile(out):  # the grader itself failed: its last line says why
-            lines = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
+            lines = output.strip().splitlines() or ["(no output)"]
             return {"checks": [], "error": f"the grader stopped: {lines[-1]}"}
         with open(out) as f:
             result = json.load(f)
@@ -92,18 +100,15 @@ def main():
     lab = find_lab(opts.lab)
     if not os.path.isdir(opts.submissions):
         sys.exit(f"error: no such folder: {opts.submissions}")
-    students = sorted(
-        d
-        for d in os.listdir(opts.submissions)
-        if os.path.isdir(os.path.join(opts.submissions, d)) and not d.startswith(".")
-    )
+    submissions = os.path.abspath(opts.submissions)  # the graders run in the repository
+    students = sorted(d for d in os.listdir(submissions) if not d.startswith((".", "grades-")))
     if not students:
         sys.exit(f"error: {opts.submissions} has no student folders")
     wanted = handout_script(lab)
     print(f"grading {len(students)} submissions of {os.path.basename(lab)} ({wanted})", flush=True)
     with concurrent.futures.ThreadPoolExecutor(max(1, opts.jobs)) as pool:
         futures = {
-            s: pool.submit(grade, lab, os.path.join(opts.submissions, s), wanted, opts.timeout)
+            s: pool.submit(grade, lab, os.path.join(submissions, s), wanted, opts.timeout)
             for s in students
         }
         results = {}
@@ -114,16 +119,17 @@ def main():
     checks = []  # every check any student reached, in the graders' order
     for result in results.values():
         checks += [c["check"] for c in result["checks"] if c["check"] not in checks]
-    header = ["student", *[f"check {i}" for i in range(1, len(checks) + 1)], "passed", "note"]
+    numbers = [f"check {i}" for i in range(1, len(checks) + 1)]
     rows = []
     for s in students:
         status = {c["check"]: "PASS" if c["passed"] else "FAIL" for c in results[s]["checks"]}
         passed = sum(v == "PASS" for v in status.values())
         note = results[s]["error"] or ""
         rows.append([s, *[status.get(c, "-") for c in checks], f"{passed}/{len(checks)}", note])
-    out = opts.out or os.path.join(opts.submissions, f"grades-lab{os.path.basename(lab)[:2]}.csv")
-    with open(out, "w", newline="") as f:
-        csv.writer(f).writerows([header, *rows])
+    out = opts.out or os.path.join(submissions, f"grades-lab{os.path.basename(lab)[:2]}.csv")
+    with open(out, "w", newline="") as f:  # the CSV names each check in full
+        csv.writer(f).writerows([["student", *checks, "passed", "note"], *rows])
+    header = ["student", *numbers, "passed", "note"]
     print("\n| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")

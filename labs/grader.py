@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -35,6 +36,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class CheckFailed(Exception):
     """A check's condition was false; the message says what the script did (never what it should have done)."""
+
+
+class CheckTimeout(BaseException):
+    """A check ran past --check-timeout (a BaseException: a student's `except Exception` cannot swallow it)."""
 
 
 def expect(condition: bool, observed: str) -> None:
@@ -78,7 +83,8 @@ class Grader:
         parser.add_argument("--no-run", action="store_true", help="function checks only, no run")
         parser.add_argument(
             "--run-dir",
-            action="append",
+            action="extend",
+            nargs="+",
             default=[],
             help="grade this finished run of your script (the folder that holds config.json) instead of "
             "starting one; repeat the flag for a lab that compares runs (each is matched by its settings)",
@@ -98,18 +104,24 @@ class Grader:
         self.script = os.path.abspath(self.opts.script)
         self.module_name = "student_" + os.path.splitext(self.name)[0]
         sys.excepthook = self._interrupted
-        if not os.path.isfile(self.script) or not self.script.endswith(".py"):
-            self.fatal(f"no such Python script: {self.opts.script}")
-        self.run_dirs = [self._run_dir(d) for d in self.opts.run_dir]  # before anything slow
+        if not os.path.isfile(self.script):
+            self.fatal(f"no such file: {self.opts.script}")
+        if not self.script.endswith(".py"):
+            self.fatal(f"{self.opts.script}: not a Python script (its name must end in .py)")
+        if self.opts.no_run and self.opts.run_dir:
+            self.fatal("--no-run and --run-dir together: --no-run skips the run checks, pick one")
+        self.problems: list[str] = []  # run folders whose files cannot be read
+        self.run_dirs = [r for r in map(self._run_dir, self.opts.run_dir) if r]  # before the import
         print(f"lab {lab}: checking {self.opts.script}", flush=True)
 
     # ---- the student's script ----
 
     def load(self):
         """Import the student's script: first in a child process, then here (for the function checks)."""
-        for path in (REPO, os.path.dirname(self.script)):
-            if path not in sys.path:
-                sys.path.insert(0, path)
+        for path in (os.path.dirname(self.script), REPO):  # the repo first: its common/ wins
+            if path in sys.path:
+                sys.path.remove(path)
+            sys.path.insert(0, path)
         # The project's own libraries (torch, vLLM, Ray, common/) load once, here: the child below is forked
         # from this process, so the student's import there and here takes a moment, not seconds.
         import common
@@ -146,6 +158,7 @@ class Grader:
         if pid == 0:  # the child: import, write one line of verdict, exit
             os.close(read)
             os.setsid()  # its own process group: a timeout kills whatever it started
+            _die_with(os.getppid())
             quiet = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(quiet, fd)
@@ -154,13 +167,17 @@ class Grader:
                 self._import()
                 verdict = "ok"
             except BaseException as error:
-                verdict = self._describe(error)
+                verdict = self._describe(error, child=True)
             os.write(write, verdict.encode()[:4000])
             os._exit(0)
         os.close(write)
         timeout = self.opts.import_timeout
-        ready, _, _ = select.select([read], [], [], timeout)
-        verdict = os.read(read, 4096).decode(errors="replace") if ready else None
+        try:
+            ready, _, _ = select.select([read], [], [], timeout)
+            verdict = os.read(read, 4096).decode(errors="replace") if ready else None
+        except KeyboardInterrupt:
+            os.killpg(pid, signal.SIGKILL)
+            raise
         os.close(read)
         if verdict is None:
             os.killpg(pid, signal.SIGKILL)
@@ -174,7 +191,7 @@ class Grader:
             return f"the import crashed the Python process ({_status(status)})"
         return "" if verdict == "ok" else f"your script {verdict}"
 
-    def _describe(self, error: BaseException) -> str:
+    def _describe(self, error: BaseException, child: bool = False) -> str:
         """What the student's code did, in one line (after "your script"), with the line it came from."""
         if isinstance(error, SyntaxError) and os.path.abspath(error.filename or "") == self.script:
             return f"has a syntax error at line {error.lineno}: {error.msg}"
@@ -185,19 +202,26 @@ class Grader:
                 f"exits when it is imported{where}: is there code outside "
                 '`if __name__ == "__main__"`?'
             )
-        if isinstance(error, KeyboardInterrupt):
+        if isinstance(error, KeyboardInterrupt) and not child:
             raise error
         if isinstance(error, AttributeError) and getattr(error, "obj", None) is sys.modules.get(
             self.module_name
         ):
             return f"has no `{error.name}`"
         message = str(error).splitlines()[0] if str(error) else ""
+        if not frames and not child:  # raised in the check's own code, by what the script gave it
+            return (
+                f"gave the check something it cannot read ({type(error).__name__}: {message}): "
+                "check the types and shapes the handout asks for"
+            )
         return f"raised {type(error).__name__}{where}" + (f": {message}" if message else "")
 
     def _interrupted(self, kind, error, tb):
         """Ctrl-C outside the run part: one line, the temp folders removed. Other errors: Python's report."""
         if kind is KeyboardInterrupt:
-            self._report("interrupted (Ctrl-C)")  # Python then exits as a Ctrl-C does (status 130)
+            self._report("interrupted (Ctrl-C)")
+            sys.stdout.flush()
+            os._exit(130)
         else:
             sys.__excepthook__(kind, error, tb)
 
@@ -266,17 +290,28 @@ class Grader:
                 keep=out,
             )
         print(f"  finished in {time.monotonic() - start:.0f} s", flush=True)
-        (run_dir,) = [
+        runs = [
             os.path.join(out, d) for d in os.listdir(out) if os.path.isdir(os.path.join(out, d))
         ]
-        return _read_rows(run_dir)
+        if len(runs) != 1 or not os.path.isfile(os.path.join(runs[0], "metrics.jsonl")):
+            self.fatal(
+                f"the run ended (exit code 0) without a run folder with metrics.jsonl in {out}: does "
+                "your script still call main() and log its metrics?",
+                keep=out,
+            )
+        try:
+            return _read_rows(runs[0])
+        except ValueError as error:
+            self.fatal(f"the run's {error} (in {runs[0]})", keep=out)
 
-    def _run_dir(self, path: str) -> dict:
-        """A --run-dir as {"path", "config", "rows"}, or a one-line FAIL naming what is wrong with it."""
+    def _run_dir(self, path: str) -> dict | None:
+        """A --run-dir as {"path", "config", "rows"}; a FAIL line now if it is no run folder at all, None
+        (and a note for later) if its files cannot be read."""
         if not os.path.isdir(path):
             near = _runs_near(path)
+            what = "a file, not a folder" if os.path.exists(path) else "no such folder"
             self.fatal(
-                f"--run-dir {path}: no such folder"
+                f"--run-dir {path}: {what}"
                 + (f"; the runs next to it: {', '.join(near)}" if near else "")
             )
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -288,33 +323,40 @@ class Grader:
         try:
             with open(os.path.join(path, "config.json")) as f:
                 config = json.load(f)
-            config["args"], config["script"]  # noqa: B018 (both must be there)
-            rows = _read_rows(path)
+            config["args"].get, config["script"]  # noqa: B018 (both must be there)
+            return {"path": path, "config": config, "rows": _read_rows(path)}
         except FileNotFoundError:
-            self.fatal(
-                f"--run-dir {path}: it has no metrics.jsonl (did the run stop before step 1?)"
-            )
-        except (ValueError, KeyError, TypeError):
-            self.fatal(
-                f"--run-dir {path}: its config.json or metrics.jsonl is not the scripts' JSON"
-            )
-        return {"path": path, "config": config, "rows": rows}
+            self.problems.append(f"{path} has no metrics.jsonl (did the run stop before step 1?)")
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            self.problems.append(f"{path}: {error}")
+        return None
 
     def _given_run(self, required: dict, parent_ok: bool) -> list[dict]:
         scripts = {self.name} | ({self.parent} if parent_ok else set())
-        seen = []
+        seen, matches = [], []
         for run in self.run_dirs:
             args, script = run["config"]["args"], os.path.basename(run["config"]["script"])
             # A run of the parent script lacks the new flags: it counts as the variant at their defaults.
             settings = {k: args.get(k, self.defaults.get(k, "<missing>")) for k in required}
             if script in scripts and settings == required:
-                last, steps = _last_step_of(run["rows"]), args.get("num_steps")
-                print(f"\nrun dir: {run['path']}  ({last} of {steps} steps)")
-                return run["rows"]
-            seen.append(f"{run['path']} is a run of {script} with {_settings(settings)}")
+                matches.append(run)
+            else:
+                seen.append(f"{run['path']} is a run of {script} with {_settings(settings)}")
+        if matches:  # the newest of the runs made with these settings
+            run = max(
+                matches, key=lambda r: os.path.getmtime(os.path.join(r["path"], "metrics.jsonl"))
+            )
+            last, steps = _last_step_of(run["rows"]), run["config"]["args"].get("num_steps")
+            older = (
+                f"; {len(matches) - 1} older with these settings left out"
+                if len(matches) > 1
+                else ""
+            )
+            print(f"\nrun dir: {run['path']}  ({last} of {steps} steps{older})")
+            return run["rows"]
         self.fatal(
             f"no --run-dir is a run of {' or '.join(sorted(scripts))} with {_settings(required)}: "
-            + "; ".join(seen)
+            + "; ".join(seen + self.problems)
         )
 
     # ---- the end ----
@@ -360,7 +402,8 @@ class _Check:
         seconds = self.grader.opts.check_timeout  # a function check takes well under a second
 
         def too_slow(*_):
-            raise CheckFailed(f"did not return within {seconds} s (an endless loop?)")
+            signal.alarm(1)  # again in a second if the script catches it anyway
+            raise CheckTimeout(f"did not return within {seconds} s (an endless loop?)")
 
         signal.signal(signal.SIGALRM, too_slow)
         signal.alarm(seconds)
@@ -374,7 +417,7 @@ class _Check:
             print(f"PASS  {self.name}", flush=True)
             self.grader.results.append({"check": self.name, "passed": True, "observed": ""})
             return False
-        if kind is CheckFailed:
+        if kind in (CheckFailed, CheckTimeout):
             observed = str(error)
         elif kind is SystemExit:
             observed = f"called sys.exit({error.code!r})"
@@ -387,9 +430,36 @@ class _Check:
         return True  # go on with the next check
 
 
+def _die_with(parent: int) -> None:
+    """In the import child: end its process group when the grader is gone (killed, or Ctrl-C), so that
+    a hung import never outlives it."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _read_rows(run_dir: str) -> list[dict]:
+    """metrics.jsonl's rows, each with its step; a last line cut short (a run killed while writing it)
+    is left out, any other unreadable line is a ValueError naming it."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            if number == len(lines):  # no newline after it: cut short
+                break
+            raise ValueError(f"metrics.jsonl line {number} is not JSON") from None
+        if row is not None:
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError(f"metrics.jsonl line {number} has no step")
+            rows.append(row)
+    return rows
 
 
 def _last_step_of(rows: list[dict]) -> int:

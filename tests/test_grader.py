@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+from conftest import needs_keys
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABS = os.path.join(REPO, "labs")
 GUARD = 'if __name__ == "__main__":\n    main(parse_args(Args))\n'
@@ -71,6 +73,7 @@ def last_line(out: str) -> str:
     return out.strip().splitlines()[-1]
 
 
+@needs_keys
 def test_broken_scripts_end_in_one_line_each(tmp_path):
     """Lab 03's grader on one script per failure class: no __main__ guard, a hang at import, an
     error and a syntax error at import, a check that never returns, a missing function, a run dir
@@ -96,11 +99,19 @@ def test_broken_scripts_end_in_one_line_each(tmp_path):
         "grpo.py",
         tmp_path / "loop.py",
         "def compute_advantages(",
-        "def compute_advantages(*args):\n    while True:\n        pass\n\n\ndef old_advantages(",
+        "def compute_advantages(*args):\n    while True:\n        try:\n            pass\n"
+        "        except Exception:\n            pass\n\n\ndef old_advantages(",
     )
     missing = variant(
         "grpo.py", tmp_path / "missing.py", "def compute_advantages(", "def advantages("
     )
+    returns_none = variant(
+        "grpo.py",
+        tmp_path / "returns_none.py",
+        "def compute_advantages(",
+        "def compute_advantages(*args):\n    return None\n\n\ndef old_advantages(",
+    )
+    (tmp_path / "no_suffix").write_text("x = 1\n")
     runs = tmp_path / "runs" / "lab03"
     for name, script, minibatches in (
         ("grpo__1__17", "grpo.py", 2),
@@ -133,6 +144,9 @@ def test_broken_scripts_end_in_one_line_each(tmp_path):
             [str(solved / "my.py"), "--run-dir", str(runs)],
             [str(solved / "my.py"), "--run-dir", str(tmp_path / "runs" / "stopped")],
             [str(solved / "my.py"), "--run-dir", str(runs / "grpo__1__17")],
+            [returns_none, "--no-run"],
+            [str(tmp_path / "no_suffix"), "--no-run"],
+            [str(solved / "my.py"), "--run-dir", str(runs / "grpo__1__17" / "config.json")],
         ],
     )
     for code, out in results:
@@ -158,13 +172,23 @@ def test_broken_scripts_end_in_one_line_each(tmp_path):
         ("PASS", "a"),  # a group whose rewards are all equal gets exactly zero advantage
         ("FAIL", "loss_weights"),
     ]
-    assert [last_line(out) for _, out in results[7:]] == [
+    assert (
+        "your script: gave the check something it cannot read (AttributeError: 'bool' object has "
+        "no attribute 'all'): check the types and shapes the handout asks for" in results[11][1]
+    )
+    assert last_line(results[12][1]) == (
+        f"FAIL  {tmp_path}/no_suffix: not a Python script (its name must end in .py)"
+    )
+    assert last_line(results[13][1]) == (
+        f"FAIL  --run-dir {runs}/grpo__1__17/config.json: a file, not a folder"
+    )
+    assert [last_line(out) for _, out in results[7:11]] == [
         f"FAIL  --run-dir {runs}/dr_grpo__...: no such folder; the runs next to it: "
         f"{runs}/dr_grpo__1__18",
         f"FAIL  --run-dir {runs}: not a run folder (it has no config.json); the runs inside it: "
         f"{runs}/dr_grpo__1__18, {runs}/grpo__1__17",
-        f"FAIL  --run-dir {tmp_path}/runs/stopped: it has no metrics.jsonl (did the run stop "
-        "before step 1?)",
+        f"FAIL  no --run-dir is a run of my.py with num_minibatches=2: {tmp_path}/runs/stopped has "
+        "no metrics.jsonl (did the run stop before step 1?)",
         f"FAIL  no --run-dir is a run of my.py with num_minibatches=2: {runs}/grpo__1__17 is a "
         "run of grpo.py with num_minibatches=2",
     ]
@@ -268,6 +292,7 @@ def test_the_run_part_reports_progress_stops_a_hang_and_cleans_up(tmp_path):
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
 
 
+@needs_keys
 def test_grade_all_writes_one_table_for_a_room(tmp_path):
     """Made-up submissions of lab 07: a solution with its runs, the unchanged parent without runs, a
     script without a __main__ guard, a folder without a script, a solution whose run has other
@@ -289,9 +314,14 @@ def test_grade_all_writes_one_table_for_a_room(tmp_path):
         solution.replace(GUARD, "main(parse_args(Args))\n")
     )
     (subs / "dave" / "notes.txt").write_text("I ran out of time")
-    shares = [[1.0, 0.0, 0.0], [0.6, 0.4, 0.0], [0.5, 0.3, 0.2]]
-    for student, lag in (("alice", 2), ("erin", 0)):
-        run = subs / student / "runs" / "lab07" / f"k{lag}__1__1"
+    (subs / "frank.txt").write_text("not a folder")
+    filled = [[1.0, 0.0, 0.0], [0.6, 0.4, 0.0], [0.5, 0.3, 0.2]]
+    never = [[1.0, 0.0, 0.0]] * 3  # the pipeline never fills: fails check 4
+    for student, name, lag, shares, age in (
+        ("alice", "k2__1__1", 2, never, 3600), ("alice", "k2__1__2", 2, filled, 0),
+        ("erin", "k0__1__1", 0, filled, 0),
+    ):  # fmt: skip
+        run = subs / student / "runs" / "lab07" / name
         run.mkdir(parents=True)
         config = {"script": "my_grpo_async.py", "args": {"max_lag": lag, "num_steps": 3}}
         (run / "config.json").write_text(json.dumps(config))
@@ -300,9 +330,11 @@ def test_grade_all_writes_one_table_for_a_room(tmp_path):
             for s in range(3)
         ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(LABS, "grade_all.py"), "7", str(subs)],
-        cwd=REPO,
+        old = os.path.getmtime(run / "metrics.jsonl") - age
+        os.utime(run / "metrics.jsonl", (old, old))
+    proc = subprocess.run(  # a path relative to the teacher's folder
+        [sys.executable, os.path.join(LABS, "grade_all.py"), "7", "submissions"],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
@@ -311,8 +343,8 @@ def test_grade_all_writes_one_table_for_a_room(tmp_path):
     with open(subs / "grades-lab07.csv") as f:
         table = list(csv.reader(f))
     line = line_of(str(subs / "carol" / "my_grpo_async.py"), "main(parse_args(Args))")
-    assert table == [
-        ["student", "check 1", "check 2", "check 3", "check 4", "passed", "note"],
+    assert table[0][0] == "student" and table[0][1].startswith("is_stale(versions, step, K)")
+    assert table[1:] == [
         ["alice", "PASS", "PASS", "PASS", "PASS", "4/4", ""],
         ["bob", "PASS", "FAIL", "-", "-", "1/4", "no run folder submitted: the run checks were not made"],
         ["carol", "-", "-", "-", "-", "0/4", "importing my_grpo_async.py: your script exits when it is "
@@ -320,4 +352,5 @@ def test_grade_all_writes_one_table_for_a_room(tmp_path):
         ["dave", "-", "-", "-", "-", "0/4", "no script (my_grpo_async.py)"],
         ["erin", "PASS", "PASS", "-", "-", "2/4", "no --run-dir is a run of my_grpo_async.py with "
          f"max_lag=2: {subs}/erin/runs/lab07/k0__1__1 is a run of my_grpo_async.py with max_lag=0"],
+        ["frank.txt", "-", "-", "-", "-", "0/4", "not a folder"],
     ]  # fmt: skip
