@@ -132,11 +132,9 @@ class Grader:
         problem = self._import_in_child()
         if problem:
             self.fatal(f"importing {self.name}: {problem}")
-        try:
+        try:  # the child imported it: this fails only for a script that behaves differently here
             module = self._import()
-        except (
-            BaseException
-        ) as error:  # the child imported it: only a script that behaves differently
+        except BaseException as error:
             self.fatal(f"importing {self.name}: your script {self._describe(error)}")
         if dataclasses.is_dataclass(getattr(module, "Args", None)):
             self.defaults = {f.name: f.default for f in dataclasses.fields(module.Args)}
@@ -179,7 +177,7 @@ class Grader:
             os.killpg(pid, signal.SIGKILL)
             raise
         os.close(read)
-        if verdict is None:
+        with contextlib.suppress(ProcessLookupError):  # the child, or what its import started
             os.killpg(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         if verdict is None:
