@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the actor and the loop use.
-from common import checkpoint, data, memory, models, placement, tracking, weight_sync
+from common import checkpoint, data, lora, memory, models, placement, tracking, weight_sync
 from common.async_engine import AsyncEngine  # ASYNC
 from common.data import response_values
 from common.engines import generate, sample_seeds, spawn_engines  # ASYNC: sample_seeds
@@ -154,26 +154,46 @@ class Args:
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
+    # LoRA (off by default): adapters on a frozen base model, common/lora.py
+    lora_rank: Annotated[int, ">= 0"] = 0
+    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
+    adapters reach the optimizer and the engines"""
+    lora_alpha: Annotated[float | None, "> 0"] = None
+    """α: the adapters' output is scaled by α / r (default 2 r)"""
+    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
+    """dropout on the adapters' input (0 in RL: it would make π_θ random)"""
+    lora_target_modules: str = lora.DEFAULT_TARGETS
+    """comma-separated linear layers of each decoder layer that get adapters"""
+    lora_merge_sync: bool = False
+    """send the engines merged full weights instead of the adapters (models vLLM has no LoRA for)"""
+
 
 # ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
-def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+def load_policy(
+    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None
+) -> torch.nn.Module:
     """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
     head).
 
     The model is built on the meta device and sharded before any weight exists; then rank 0 reads
     the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
     weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
+    the sharding and trained alone (common/lora.py), read from `path` on --resume.
     """
-    model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
+    base = adapters.base if adapters else path
+    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapters:
+        adapters.add(model, device)
     mp = MixedPrecisionPolicy()  # fp32 on CPU
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    load_weights(model, AutoModelForCausalLM, path, device)
+    load_weights(model, AutoModelForCausalLM, base, device, adapters)
     return model
 
 
@@ -409,35 +429,44 @@ class Trainer:
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
-        self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
+        # with --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
+        adapters = lora.adapters(args, ref_path, model_path)
+        self.model = load_policy(model_path, self.device, args.gradient_checkpointing, adapters)
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         # π_ref: a frozen copy of the starting model (ref_path; model_path is the checkpoint on
-        # --resume), if the loss has a KL term
-        self.frozen = {
-            name: load_policy(ref_path, self.device, False) for name in frozen_models(args)
-        }
-        for frozen in self.frozen.values():
-            frozen.eval().requires_grad_(False)
-            enable_ring_attention(frozen, self.sp.group)
+        # --resume), if the loss has a KL term; with LoRA the policy with its adapters off
+        self.frozen = {name: self.frozen_model(ref_path, adapters) for name in frozen_models(args)}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapters only
             args.learning_rate,
             betas=(0.9, 0.95),
             weight_decay=args.weight_decay,
         )
 
+    def frozen_model(self, path: str, adapters):
+        if adapters:  # no second copy
+            return lora.Disabled(self.model)
+        frozen = load_policy(path, self.device, gradient_checkpointing=False)
+        frozen.eval().requires_grad_(False)
+        enable_ring_attention(frozen, self.sp.group)
+        return frozen
+
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines'
-        sender, tp = (self.rank, (addr, port)), self.args.engine_tp
+        sender, tp, merge = (
+            (self.rank, (addr, port)),
+            self.args.engine_tp,
+            self.args.lora_merge_sync,
+        )
         self.weight_sync = weight_sync.init_weight_sync(
-            self.model, self.tokenizer, engines, backend, *sender, tp, dtype
+            self.model, self.tokenizer, engines, backend, *sender, tp, dtype, merge
         )
 
-    def push_weights(self):
-        self.weight_sync.push()
+    def push_weights(self) -> int:
+        return self.weight_sync.push()  # the bytes each engine received
 
     def check_weights(self):
         self.weight_sync.check()  # the engines serve what was pushed, or the run stops naming one
@@ -589,7 +618,7 @@ def main(args: Args):
         t_train = time.time()
 
         # ASYNC: push in flight (the engines pause between decoding steps), check (weight_sync.py)
-        sync_weights(trainers, engines, colocated=False)
+        sync_bytes = sync_weights(trainers, engines, colocated=False)
         rollouts.fill(step + 1)  # the step after next may now be sampled
         t_sync = time.time()
         phases.append((t0, t_gen, t_train, t_sync))
@@ -603,6 +632,7 @@ def main(args: Args):
             **rollout_metrics(rewards, responses, G),
             **train_metrics(results, args),
             **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
+            "perf/sync_bytes": sync_bytes,
             **lag_metrics(responses, step, engine),  # ASYNC
         }
         end_step(step + 1, metrics, batch, texts, rewards, [s["versions"] for s in responses])
@@ -716,6 +746,7 @@ def validate_args(args: Args) -> None:
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
+    lora.check_args(args)
     if args.num_trainers % args.sp_size:
         raise InputError(
             f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
@@ -763,6 +794,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     call_reward(reward_function, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    lora.check_model(args, model_path)
     memory.check_run(
         args, use_gpu, model_path, bool(frozen_models(args))
     )  # a run that cannot fit stops
@@ -824,7 +856,8 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, policy, model_path)
     backend = weight_sync.choose_backend(use_gpu, colocate=False)  # ASYNC
     engines = spawn_engines(
-        pg, layout.engines, model_path=policy, seed=args.seed, backend=backend,
+        pg, layout.engines, model_path=model_path if args.lora_rank else policy, seed=args.seed,
+        backend=backend, lora=lora.engine_lora(args),
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
         use_gpu=use_gpu, memory=memory.engine_memory(args) if use_gpu else 1.0,
         engine_cls=AsyncEngine, keep_old_kv=args.keep_old_kv,  # ASYNC: weights taken in flight

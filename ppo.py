@@ -40,7 +40,7 @@ from transformers import AutoModelForSequenceClassification as AutoScoreModel  #
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the actors and the loop use.
-from common import checkpoint, data, memory, models, placement, tracking, weight_sync
+from common import checkpoint, data, lora, memory, models, placement, tracking, weight_sync
 from common.data import encode_example, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
@@ -174,26 +174,46 @@ class Args:
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
+    # LoRA (off by default): adapters on a frozen base model, common/lora.py
+    lora_rank: Annotated[int, ">= 0"] = 0
+    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
+    adapters reach the optimizer and the engines"""
+    lora_alpha: Annotated[float | None, "> 0"] = None
+    """α: the adapters' output is scaled by α / r (default 2 r)"""
+    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
+    """dropout on the adapters' input (0 in RL: it would make π_θ random)"""
+    lora_target_modules: str = lora.DEFAULT_TARGETS
+    """comma-separated linear layers of each decoder layer that get adapters"""
+    lora_merge_sync: bool = False
+    """send the engines merged full weights instead of the adapters (models vLLM has no LoRA for)"""
+
 
 # ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
-def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+def load_policy(
+    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None
+) -> torch.nn.Module:
     """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
     head).
 
     The model is built on the meta device and sharded before any weight exists; then rank 0 reads
     the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
     weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
+    the sharding and trained alone (common/lora.py), read from `path` on --resume.
     """
-    model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
+    base = adapters.base if adapters else path
+    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapters:
+        adapters.add(model, device)
     mp = MixedPrecisionPolicy()  # fp32 on CPU
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    load_weights(model, AutoModelForCausalLM, path, device)
+    load_weights(model, AutoModelForCausalLM, base, device, adapters)
     return model
 
 
@@ -228,26 +248,33 @@ def reward_fn(response: str, answer: str) -> float:
 
 
 # ALGO LOGIC: the critic, the per-token reward, GAE, whitening, the two losses and the adaptive β.
-def load_critic(path: str, device: torch.device, gradient_checkpointing: bool, pad_token_id: int):
+def load_critic(
+    path: str, device: torch.device, gradient_checkpointing: bool, pad_token_id: int, adapters=None
+):
     """V_φ: a sequence classifier with one label (rm.py's class), its head read at every token.
 
     From a causal LM the head `score` is new: it starts at zero, so V = 0 and the first advantages
     are the whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's
-    default). Sharded like load_policy.
+    default). Sharded like load_policy; with `adapters` (--lora-rank) its own LoRA adapters on its
+    own frozen copy of the base, the head trained whole.
     """
-    model = empty_model(AutoScoreModel, path, attn_implementation(device), num_labels=1)
+    base = adapters.base if adapters else path
+    model = empty_model(AutoScoreModel, base, attn_implementation(device), num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapters:
+        adapters.add(model, device)
     mp = MixedPrecisionPolicy()  # fp32 on CPU
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    missing = load_weights(model, AutoScoreModel, path, device)
-    if any(k.startswith("score.") for k in missing):
+    missing = load_weights(model, AutoScoreModel, base, device, adapters)
+    resumed = adapters is not None and adapters.resume is not None  # its head came with them
+    if any(k.startswith("score.") for k in missing) and not resumed:
         with torch.no_grad():
             model.score.weight.zero_()  # each rank zeroes its shard
     return model
@@ -548,26 +575,35 @@ class Trainer(ShardedModel):
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
-        self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
-        # π_ref is the start model, also on --resume (model_path is then the checkpoint).
-        self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False)
-        self.ref.eval().requires_grad_(False)
+        # with --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
+        adapters = lora.adapters(args, ref_path, model_path)
+        self.model = load_policy(model_path, self.device, args.gradient_checkpointing, adapters)
+        if adapters:  # π_ref: the policy with its adapters off, no second copy
+            self.ref = lora.Disabled(self.model)
+        else:  # π_ref: the start model, also on --resume (model_path is then the checkpoint)
+            self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False)
+            self.ref.eval().requires_grad_(False)
         self.sp = sp_groups(world, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data
         for model in (self.model, self.ref):
             enable_ring_attention(model, self.sp.group)  # a no-op when --sp-size is 1
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        params, lr, decay = self.model.parameters(), args.learning_rate, args.weight_decay
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        lr, decay = args.learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines'
-        sender, tp = (self.rank, (addr, port)), self.args.engine_tp
+        sender, tp, merge = (
+            (self.rank, (addr, port)),
+            self.args.engine_tp,
+            self.args.lora_merge_sync,
+        )
         self.weight_sync = weight_sync.init_weight_sync(
-            self.model, self.tokenizer, engines, backend, *sender, tp, dtype
+            self.model, self.tokenizer, engines, backend, *sender, tp, dtype, merge
         )
 
-    def push_weights(self):
-        self.weight_sync.push()
+    def push_weights(self) -> int:
+        return self.weight_sync.push()  # the bytes each engine received
 
     def check_weights(self):
         self.weight_sync.check()  # the engines serve what was pushed, or the run stops naming one
@@ -621,17 +657,22 @@ class Trainer(ShardedModel):
 # TRY NOT TO MODIFY: the critic actor (one per rank), a separate FSDP2 group with its own optimizer.
 @ray.remote
 class Critic(ShardedModel):
-    def __init__(self, args: Args, model_path: str, offload: bool, rank, world, addr, port):
+    def __init__(self, args: Args, model_path: str, base_path: str, offload: bool, rank, world,
+                 addr, port):  # fmt: skip
         self.args, self.rank, self.world_size, self.offload = args, rank, world, offload
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else self.tokenizer.eos_token_id
-        self.model = load_critic(model_path, self.device, args.gradient_checkpointing, pad)
+        # with --lora-rank: its own adapters on its own frozen base (base_path), the head whole
+        adapters = lora.adapters(args, base_path, model_path, whole=("score",))
+        gc = args.gradient_checkpointing
+        self.model = load_critic(model_path, self.device, gc, pad, adapters)
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)
-        params, lr, decay = self.model.parameters(), args.critic_learning_rate, args.weight_decay
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters + head
+        lr, decay = args.critic_learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
         self.on_gpu(False)
 
@@ -806,7 +847,7 @@ def main(args: Args):
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
-        sync_weights(trainers, engines, args.colocate)
+        sync_bytes = sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ALGO LOGIC: adapt β toward the target KL per response (Ziegler et al. 2019)
@@ -825,6 +866,7 @@ def main(args: Args):
             **train_metrics(*results, args, values, returns, mask),
             **engine_metrics(responses, logprobs, mask),
             **time_metrics(times, sum(lengths), trained),
+            "perf/sync_bytes": sync_bytes,
         }
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
@@ -923,6 +965,7 @@ def validate_args(args: Args) -> None:
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
+    lora.check_args(args)
     if args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
         raise InputError(
             f"--num-trainers and --num-critics must be multiples of --sp-size {args.sp_size}"
@@ -992,6 +1035,8 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     models.check_weights(model_path, "model")
     critic_path = models.resolve_model(args.critic_model) if args.critic_model else model_path
     models.check_weights(critic_path, "--critic-model")
+    lora.check_model(args, model_path)
+    lora.check_model(args, critic_path, head="score")
     # a run that cannot fit stops here; colocated, the critic and reward model may wait in host RAM
     offload = memory.check_run(args, use_gpu, model_path, True, critic_path, reward_model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -1002,6 +1047,7 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
     paths = {"policy": resume_ckpt or model_path, "reference": model_path}
     paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
+    paths["critic_start"] = critic_path
     paths["reward_model"] = reward_model_path
     return paths, tokenizer, prompts, reward_function, offload
 
@@ -1060,7 +1106,8 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy, reference = paths["policy"], paths["reference"]
     trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, policy, reference)
-    critics = placement.spawn_trainers(Critic, pg, layout.critics, args, paths["critic"], offload)
+    critic = (paths["critic"], paths["critic_start"], offload)
+    critics = placement.spawn_trainers(Critic, pg, layout.critics, args, *critic)
     reward_model = None
     if rm:
         options = layout.reward_model.options(pg)
@@ -1068,7 +1115,8 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
         placement.wait_started([reward_model])
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
-        pg, layout.engines, model_path=paths["policy"], seed=args.seed, backend=backend,
+        pg, layout.engines, model_path=paths["reference" if args.lora_rank else "policy"],
+        seed=args.seed, backend=backend, lora=lora.engine_lora(args),
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
         use_gpu=use_gpu, sleep_mode=args.colocate,
         memory=memory.engine_memory(args) if use_gpu else 1.0,

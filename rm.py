@@ -35,7 +35,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the actor and the loop use.
-from common import checkpoint, data, memory, models, placement, ring_attn, tracking
+from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
 from common.errors import InputError, check_ranges, parse_args
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
@@ -116,29 +116,45 @@ class Args:
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
+    # LoRA (off by default): adapters on a frozen base model, common/lora.py
+    lora_rank: Annotated[int, ">= 0"] = 0
+    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
+    adapters reach the optimizer"""
+    lora_alpha: Annotated[float | None, "> 0"] = None
+    """α: the adapters' output is scaled by α / r (default 2 r)"""
+    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
+    """dropout on the adapters' input"""
+    lora_target_modules: str = lora.DEFAULT_TARGETS
+    """comma-separated linear layers of each decoder layer that get adapters"""
+
 
 # ALGO LOGIC: the reward model, where it reads the reward, and the Bradley-Terry loss.
-def load_reward_model(path: str, device, gradient_checkpointing: bool, pad_token_id: int):
+def load_reward_model(
+    path: str, device, gradient_checkpointing: bool, pad_token_id: int, adapters=None
+):
     """A causal LM (or an earlier reward model) as a sequence classifier with one label, sharded
     like load_policy.
 
     The scalar head `score` (hidden -> 1) is new when `path` is a causal LM: a seeded init on rank
     0, which load_weights broadcasts with the rest. FSDP2: each decoder layer, then the root
-    (embeddings, norm, score head).
+    (embeddings, norm, score head). With `adapters` (--lora-rank): LoRA adapters on the frozen
+    base, trained with the whole head (common/lora.py), read from `path` on --resume.
     """
-    auto = AutoModelForSequenceClassification
-    model = empty_model(auto, path, attn_implementation(device), num_labels=1)
+    auto, base = AutoModelForSequenceClassification, adapters.base if adapters else path
+    model = empty_model(auto, base, attn_implementation(device), num_labels=1)
     if model.config.pad_token_id is None:  # HF's own scoring needs it to find a row's last token
         model.config.pad_token_id = pad_token_id
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapters:
+        adapters.add(model, device)
     mp = MixedPrecisionPolicy()  # fp32 on CPU
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    load_weights(model, auto, path, device)
+    load_weights(model, auto, base, device, adapters)
     return model
 
 
@@ -243,18 +259,22 @@ def make_pair(chosen: list[int], rejected: list[int], margin: float) -> dict[str
 # TRY NOT TO MODIFY: the trainer actor (one per rank).
 @ray.remote
 class Trainer:
-    def __init__(self, args: Args, model_path: str, rank: int, world: int, addr: str, port: int):
+    def __init__(self, args: Args, model_path: str, base_path: str, rank, world, addr, port):
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else self.tokenizer.eos_token_id
-        self.model = load_reward_model(model_path, self.device, args.gradient_checkpointing, pad)
+        # with --lora-rank: adapters on the frozen start model (base_path) and a trained head
+        adapters = lora.adapters(args, base_path, model_path, whole=("score",))
+        gc = args.gradient_checkpointing
+        self.model = load_reward_model(model_path, self.device, gc, pad, adapters)
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        params, lr, decay = self.model.parameters(), args.learning_rate, args.weight_decay
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters + head
+        lr, decay = args.learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
 
     def pair_rewards(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -331,7 +351,7 @@ def main(args: Args):
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
     model_path, pairs = prepare_inputs(args, use_gpu)
-    trainers = start_trainers(args, use_gpu, resume_ckpt or model_path)
+    trainers = start_trainers(args, use_gpu, resume_ckpt or model_path, model_path)  # + the base
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)
@@ -401,6 +421,7 @@ def validate_args(args: Args) -> None:
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
+    lora.check_args(args)
     if args.num_trainers % args.sp_size:
         raise InputError(
             f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
@@ -448,6 +469,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple[str, dict[str, list[dict]
                 raise InputError(f"{source}: {what}")
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    lora.check_model(args, model_path, head="score")
     memory.check_run(args, use_gpu, model_path, head="score")  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pairs = {split: encode_pairs(*rows, tokenizer, args) for split, rows in datasets.items()}
@@ -481,7 +503,8 @@ def encode_pairs(rows: list[dict], source: str, tokenizer, args: Args) -> list[d
 
 def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
     """Start Ray and place one trainer per rank (one GPU each, or a share of the CPU cores), each
-    loading `paths` (the model, or the checkpoint to resume; dpo.py's reference too)."""
+    loading `paths` (the model or the checkpoint to resume, and the start model: π_ref in dpo.py,
+    the frozen base of LoRA adapters)."""
     layout = placement.Layout(use_gpu, args.num_trainers)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)

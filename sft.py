@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the actor and the loop use.
-from common import checkpoint, data, memory, models, placement, ring_attn, tracking
+from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.models import attn_implementation, empty_model, load_weights
@@ -108,26 +108,44 @@ class Args:
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
+    # LoRA (off by default): adapters on a frozen base model, common/lora.py
+    lora_rank: Annotated[int, ">= 0"] = 0
+    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
+    adapters reach the optimizer"""
+    lora_alpha: Annotated[float | None, "> 0"] = None
+    """α: the adapters' output is scaled by α / r (default 2 r)"""
+    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
+    """dropout on the adapters' input"""
+    lora_target_modules: str = lora.DEFAULT_TARGETS
+    """comma-separated linear layers of each decoder layer that get adapters"""
+
 
 # ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
-def load_policy(path: str, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+def load_policy(
+    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None
+) -> torch.nn.Module:
     """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
     head).
 
     The model is built on the meta device and sharded before any weight exists; then rank 0 reads
     the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
     weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
+    the sharding and trained alone (common/lora.py), read from `path` on --resume.
     """
-    model = empty_model(AutoModelForCausalLM, path, attn_implementation(device))
+    base = adapters.base if adapters else path
+    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapters:
+        adapters.add(model, device)
     mp = MixedPrecisionPolicy()  # fp32 on CPU
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    load_weights(model, AutoModelForCausalLM, path, device)
+    load_weights(model, AutoModelForCausalLM, base, device, adapters)
     return model
 
 
@@ -234,16 +252,19 @@ def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_token
 # TRY NOT TO MODIFY: the trainer actor (one per rank).
 @ray.remote
 class Trainer:
-    def __init__(self, args: Args, model_path: str, rank: int, world: int, addr: str, port: int):
+    def __init__(self, args: Args, model_path: str, base_path: str, rank, world, addr, port):
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
-        self.model = load_policy(model_path, self.device, args.gradient_checkpointing)
+        # with --lora-rank: adapters on the frozen start model (base_path), from model_path on --resume
+        adapters = lora.adapters(args, base_path, model_path)
+        self.model = load_policy(model_path, self.device, args.gradient_checkpointing, adapters)
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        params, lr, decay = self.model.parameters(), args.learning_rate, args.weight_decay
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        lr, decay = args.learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
 
     def train_step(self, micro_batches: list[dict], num_tokens: int, step: int) -> dict:
@@ -318,7 +339,7 @@ def main(args: Args):
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
     model_path, tokenizer, sequences, accuracy = prepare_inputs(args, use_gpu)
-    trainers = start_trainers(args, use_gpu, resume_ckpt or model_path)
+    trainers = start_trainers(args, use_gpu, resume_ckpt or model_path, model_path)  # + the base
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)
@@ -406,6 +427,7 @@ def validate_args(args: Args) -> None:
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
+    lora.check_args(args)
     if args.num_trainers % args.sp_size:
         raise InputError(
             f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
@@ -447,6 +469,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     accuracy_rows = read_accuracy_rows(args)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    lora.check_model(args, model_path)
     memory.check_run(args, use_gpu, model_path)  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     sequences = {split: encode_rows(*rows, tokenizer, args) for split, rows in datasets.items()}
@@ -494,7 +517,8 @@ def encode_rows(rows: list[dict], source: str, tokenizer, args: Args) -> list[di
 
 def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
     """Start Ray and place one trainer per rank (one GPU each, or a share of the CPU cores), each
-    loading `paths` (the model, or the checkpoint to resume; dpo.py's reference too)."""
+    loading `paths` (the model or the checkpoint to resume, and the start model: π_ref in dpo.py,
+    the frozen base of LoRA adapters)."""
     layout = placement.Layout(use_gpu, args.num_trainers)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)

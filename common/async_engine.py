@@ -8,7 +8,7 @@ import uuid
 
 import ray
 
-from common.engines import engine_args
+from common.engines import Adapter, engine_args
 
 
 @ray.remote
@@ -23,12 +23,13 @@ class AsyncEngine:
     old weights is kept: no re-prefill, but the new tokens attend to old-weight keys and values."""
 
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
-                 keep_old_kv=False):  # fmt: skip
+                 keep_old_kv=False, lora=None):  # fmt: skip
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         assert not sleep_mode, "AsyncEngine never sleeps: it generates while the trainers train"
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory)
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora)
+        self.adapter = Adapter() if lora else None
         # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output task joins.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
         self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
@@ -48,7 +49,8 @@ class AsyncEngine:
             seed = None if seeds is None else seeds[i] + j
             params = SamplingParams(n=1, seed=seed, output_kind=RequestOutputKind.DELTA, **base)
             request, token_ids, logprobs = self._request(prompts[i]), [], []
-            async for out in self.llm.generate(request, params, uuid.uuid4().hex):
+            async for out in self.llm.generate(request, params, uuid.uuid4().hex,
+                                               lora_request=self._lora()):  # fmt: skip
                 c = out.outputs[0]  # the new tokens of a step
                 token_ids += c.token_ids
                 logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
@@ -99,6 +101,23 @@ class AsyncEngine:
         await self.llm.resume_generation()
         self._interval("paused", self.paused_at)
 
+    async def load_adapter(self, tensors: dict, config: dict, version: int):
+        """Adapter-only sync (--lora-rank), in flight as a weight update: pause between two steps,
+        load the new adapters in place (the running requests carry their id), label the tokens
+        sampled from now on, resume. Engine.load_adapter has the rest."""
+        self.paused_at = time.time()
+        await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
+        self.adapter.write(tensors, config)
+        if not await self.llm.add_lora(self.adapter.request(load_inplace=True)):
+            raise RuntimeError(f"vLLM did not load the adapters of version {version}")
+        await self.llm.update_weight_version(str(version))
+        self.version = version
+        await self.llm.resume_generation()
+        self._interval("paused", self.paused_at)
+
+    def _lora(self):
+        return self.adapter.request() if self.adapter and self.adapter.written else None
+
     def _interval(self, what: str, start: float):
         end = time.time()
         self.intervals.append((what, start, end))
@@ -110,7 +129,8 @@ class AsyncEngine:
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         request = self._request(token_ids)
-        outs = [out async for out in self.llm.generate(request, params, uuid.uuid4().hex)]
+        outs = self.llm.generate(request, params, uuid.uuid4().hex, lora_request=self._lora())
+        outs = [out async for out in outs]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], outs[-1].prompt_logprobs[1:])]
 
     async def get_stats(self) -> dict:

@@ -1,7 +1,9 @@
 """Checkpoints: a run's step_N folders (an HF model folder, loadable by transformers and vLLM as
 is, plus trainer_state.pt for --resume) and final/, written by trainer rank 0 from the FSDP2 shards
-of every rank, and the checks that make --resume safe before anything starts."""
+of every rank, and the checks that make --resume safe before anything starts. With LoRA adapters
+(--lora-rank) a checkpoint holds them as a PEFT folder, adapter/, and final/ the merged model too."""
 
+import argparse
 import contextlib
 import json
 import os
@@ -9,8 +11,9 @@ import re
 import shutil
 import zipfile
 
+from common import lora
 from common.errors import InputError, RunError
-from common.models import check_weights
+from common.models import check_weights, whole_file
 from common.tracking import check_output_dir, lock_run_dir, write_json
 
 
@@ -22,12 +25,23 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
     import torch.distributed.checkpoint.state_dict as sd
 
     opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = sd.get_model_state_dict(model, options=opts)
+    # After a forward with no backward (an eval) FSDP2 keeps the root unsharded, its parameters not
+    # the optimizer's: shard it again (get_model_state_dict would, but LoRA's step_N skips it)
+    model.reshard()
+    adapters = lora.adapter_tensors(model) if lora.on(model) else None
+    # LoRA: the adapters at every save, the merged model in the final one (staged as .final.partial)
+    whole = adapters is None or os.path.basename(path) in ("final", ".final.partial")
+    state = sd.get_model_state_dict(model, options=opts) if whole else None
     optim = sd.get_optimizer_state_dict(model, optimizer, options=opts) if with_optimizer else None
     if dist.get_rank() == 0:
-        if model.config.tie_word_embeddings:  # gathered shards no longer share storage: one copy
+        if adapters is not None:
+            lora.write_adapter(os.path.join(path, lora.ADAPTER), adapters, lora.config_dict(model))
+        if state is not None and adapters is not None:
+            state = lora.merge(state, model)
+        if state is not None and model.config.tie_word_embeddings:  # gathered: one copy
             state.pop("lm_head.weight", None)
-        model.save_pretrained(path, state_dict=state)
+        if state is not None:
+            model.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
         if optim:
             torch.save({"optimizer": optim, "step": step}, os.path.join(path, "trainer_state.pt"))
@@ -94,6 +108,7 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
     model = config["args"].get("model")
     if model != args.model:
         raise InputError(f"--resume: the run was made with --model {model}, not {args.model}")
+    check_lora_flags(config["args"], args)
     lock_run_dir(run_dir)
     if step >= args.num_steps:
         raise InputError(f"--resume: the checkpoint is at step {step}, not before --num-steps "
@@ -103,6 +118,24 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
     where = os.path.relpath(checkpoint, os.path.dirname(run_dir))
     print(f"resume: from {where}, step {step} of {args.num_steps}", flush=True)
     return run_dir, checkpoint, step
+
+
+def check_lora_flags(saved: dict, args) -> None:
+    """A LoRA run resumes with its adapters' shape and scale; a full fine-tuning run without LoRA."""
+    rank = saved.get("lora_rank", 0) or 0
+    if rank != getattr(args, "lora_rank", 0):
+        what = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}" if rank else (
+            "fine-tuned the full model: leave out --lora-rank")  # fmt: skip
+        raise InputError(f"--resume: the run {what}")
+    if not rank:
+        return
+    was = argparse.Namespace(**saved)
+    for flag, theirs, mine in (
+        ("--lora-alpha", f"{lora.alpha(was):g}", f"{lora.alpha(args):g}"),
+        ("--lora-target-modules", ",".join(lora.targets(was)), ",".join(lora.targets(args))),
+    ):
+        if theirs != mine:
+            raise InputError(f"--resume: the run was made with {flag} {theirs}, not {mine}")
 
 
 def find_checkpoint(path: str) -> tuple[str, str, int]:
@@ -147,8 +180,14 @@ def checkpoint_step(folder: str) -> int | None:
 
 
 def check(checkpoint: str) -> None:
-    """A --resume checkpoint is whole: its weights (check_weights) and trainer_state.pt (a zip)."""
-    check_weights(checkpoint, "--resume: checkpoint")
+    """A --resume checkpoint is whole: its weights (check_weights) or adapters (LoRA), and
+    trainer_state.pt (a zip)."""
+    adapter = os.path.join(checkpoint, lora.ADAPTER, "adapter_model.safetensors")
+    if os.path.isdir(os.path.dirname(adapter)):
+        if not os.path.isfile(adapter) or not whole_file(adapter):
+            raise InputError(f"--resume: {adapter} is missing or truncated")
+    else:
+        check_weights(checkpoint, "--resume: checkpoint")
     if not zipfile.is_zipfile(os.path.join(checkpoint, "trainer_state.pt")):
         why = "is truncated or not a checkpoint"
         raise InputError(f"--resume: {checkpoint}/trainer_state.pt {why}")

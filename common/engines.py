@@ -7,9 +7,12 @@ sampling. CPU (measured, see docs): the in-process engine avoids shared-memory q
 binding would fight the colocated trainers; CUDA graphs and torch.compile cost a minute of start-up
 for little gain."""
 
+import atexit
 import logging
 import os
 import random
+import shutil
+import tempfile
 
 import ray
 
@@ -32,8 +35,9 @@ GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET}
 
 class KnownWarnings(logging.Filter):
     """vLLM warnings that say nothing to a user of these scripts, dropped (vllm_logging.json uses
-    this filter): settings made on purpose here (a seeded engine, eager mode, whole CPU prefills),
-    CPU hints, and the layer-reload warning that vllm_worker.Whole makes precise (and fatal)."""
+    this filter): settings made on purpose here (a seeded engine, eager mode, whole CPU prefills,
+    LoRA adapters saved without a tokenizer), CPU hints, and the layer-reload warning that
+    vllm_worker.Whole makes precise (and fatal)."""
 
     TEXTS = (
         "Failed to load weights", "The global random seed is set",
@@ -41,14 +45,16 @@ class KnownWarnings(logging.Filter):
         "Inductor compilation was disabled", "Triton is not installed", "Model Runner V2 requires",
         "libtcmalloc is not found", "libiomp is not found", "leaving Torch threads",
         "torch.set_num_threads` after", "Reset SSM cache type",
+        "different tokenizers for different LoRAs",
     )  # fmt: skip
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.TEXTS)
 
 
-def engine_args(model_path, seed, backend, tp, max_model_len, memory) -> dict:
-    """vLLM's arguments, the same for both engines; called in the engine's actor."""
+def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None) -> dict:
+    """vLLM's arguments, the same for both engines; called in the engine's actor. `lora`
+    (common/lora.py's engine_lora): LoRA enabled for one adapter of that rank and those targets."""
     import torch
     from vllm.config import WeightTransferConfig
 
@@ -62,6 +68,11 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory) -> dict:
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": max(8192, max_model_len),
     }
+    if lora:  # one adapter, the policy's; no LoRA buffers on modules it does not adapt (lm_head)
+        from common.lora import vllm_rank
+
+        lora = dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_rank(lora["rank"]),
+                    lora_target_modules=lora["targets"])  # fmt: skip
     return dict(
         model=model_path,
         seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded
@@ -77,18 +88,21 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory) -> dict:
         weight_transfer_config=WeightTransferConfig(backend=f"checked-{backend}"),
         worker_extension_cls="common.vllm_worker.WorkerExtension",
         **({"gpu_memory_utilization": memory} if on_gpu else cpu),
+        **(lora or {}),
     )
 
 
 @ray.remote
 class Engine:
-    def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode):
-        """`memory`: the GPU's fraction for weights + KV cache on GPU, GiB of KV cache on CPU."""
+    def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
+                 lora=None):  # fmt: skip
+        """`memory`: the GPU's fraction for weights + KV cache on GPU, GiB of KV cache on CPU.
+        `lora`: the engine serves the base model plus the trainers' LoRA adapters (load_adapter)."""
         from vllm import LLM
 
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory)
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora)
         self.llm = LLM(**args, enable_sleep_mode=sleep_mode, use_tqdm_on_load=False)
-        self.version = 0
+        self.version, self.adapter = 0, Adapter() if lora else None
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
@@ -109,7 +123,8 @@ class Engine:
         samples = [
             dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                  logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for out in self.llm.generate(requests, params, use_tqdm=False) for c in out.outputs
+            for out in self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora())
+            for c in out.outputs
         ]  # fmt: skip
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -137,13 +152,27 @@ class Engine:
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         request = TokensPrompt(prompt_token_ids=token_ids)
-        out = self.llm.generate([request], params, use_tqdm=False)[0]
+        out = self.llm.generate([request], params, use_tqdm=False, lora_request=self._lora())[0]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
+    # Adapter-only sync (--lora-rank): the trainers' adapters, loaded in place by vLLM's LoRA API.
+    def load_adapter(self, tensors: dict, config: dict, version: int):
+        self.adapter.write(tensors, config)
+        if not self.llm.llm_engine.add_lora(self.adapter.request(load_inplace=True)):
+            raise RuntimeError(f"vLLM did not load the adapters of version {version}")
+        if not self.llm.reset_prefix_cache():  # cached KV blocks were computed by the old adapters
+            raise RuntimeError("vLLM could not reset its prefix cache after an adapter update")
+        self.version = version
+
+    def _lora(self):
+        """The LoRARequest every request carries (None without LoRA, or before the first sync)."""
+        return self.adapter.request() if self.adapter and self.adapter.written else None
 
     def sleep(self):
         """Free the GPU for training. CUDA only. Level 2 drops the weights too, instead of copying
-        them to host RAM and back (level 1): the trainer sends every weight before the next run."""
-        self.llm.sleep(level=2)
+        them to host RAM and back (level 1): the trainer sends every weight before the next run.
+        With LoRA adapters only they are sent: the base weights wait in host RAM (level 1)."""
+        self.llm.sleep(level=1 if self.adapter else 2)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Whether the engine is fully awake: vLLM resumes scheduling only then."""
@@ -151,6 +180,31 @@ class Engine:
 
     def get_version(self) -> int:
         return self.version
+
+
+class Adapter:
+    """Where an engine reads the trainers' LoRA adapters: a PEFT folder of its own on its node (the
+    trainers may be elsewhere), rewritten at every sync and loaded in place under one id, so the
+    requests in flight continue with the new adapters."""
+
+    NAME, ID = "policy", 1
+
+    def __init__(self):
+        self.folder, self.written = tempfile.mkdtemp(prefix="posttrain-adapter-"), False
+        atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
+
+    def write(self, tensors: dict, config: dict) -> None:
+        from common.lora import write_adapter
+
+        write_adapter(self.folder, tensors, config)
+        self.written = True
+
+    def request(self, load_inplace: bool = False):
+        """vLLM reloads a request's adapter at every step when load_inplace is set: only add_lora
+        sets it; the generate requests name the loaded adapter."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(self.NAME, self.ID, self.folder, load_inplace=load_inplace)
 
 
 def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
@@ -179,16 +233,18 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
 
 def spawn_engines(
     pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int,
-    memory: float, use_gpu: bool, sleep_mode: bool = False, engine_cls=Engine, **engine_kwargs,
+    memory: float, use_gpu: bool, sleep_mode: bool = False, lora: dict | None = None,
+    engine_cls=Engine, **engine_kwargs,
 ) -> list:  # fmt: skip
     """Start one engine per slot (Layout.engines; vLLM's TP workers are child processes and see the
     actor's GPUs) and wait until every one has loaded its model, before anything rendezvouses with
     them: one that fails to start is named here, not as a weight-sync timeout. `engine_cls`:
-    AsyncEngine (+ `engine_kwargs`), or a test's stand-in."""
+    AsyncEngine (+ `engine_kwargs`), or a test's stand-in. `lora`: common/lora.py's engine_lora."""
     # The driver's VLLM_* settings go to the engines too (on a cluster they run elsewhere), e.g.
     # VLLM_USE_V2_MODEL_RUNNER=0: vLLM's previous model runner, if the default misbehaves
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
+    engine_kwargs.update({"lora": lora} if lora else {})
     engines = [
         engine_cls.options(**slot.options(pg, env)).remote(
             model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode, **engine_kwargs

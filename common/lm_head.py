@@ -57,10 +57,11 @@ class TokenLogprobs(torch.autograd.Function):
             dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # + g onehot(y); z = W h / T
             if grad_hidden is not None:
                 grad_hidden[s : s + chunk] = dz.to(weight.dtype) @ weight
-            h = h.float()
-            grad_weight = dz.T @ h if grad_weight is None else grad_weight.addmm_(dz.T, h)
+            if ctx.needs_input_grad[1]:  # a trained head (not a frozen one, under LoRA)
+                h = h.float()
+                grad_weight = dz.T @ h if grad_weight is None else grad_weight.addmm_(dz.T, h)
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 

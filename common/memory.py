@@ -8,8 +8,10 @@ holds fp32 weights (4 B). While it computes, a rank also holds bf16 copies of tw
 use, and prefetched by FSDP2) and of the root (embeddings, LM head), their gradients, the
 activations autograd keeps and the LM head's chunk (common/lm_head.py). A vLLM engine takes its
 --engine-memory share of the GPU; colocated, it sleeps while the trainers train. A reward model is
-bf16, whole; every process adds a CUDA context. The figures are lower bounds of what the code
-allocates, so a plan that fits is never refused (docs/cluster.md has the tables they give)."""
+bf16, whole; every process adds a CUDA context. With LoRA adapters (--lora-rank) a trained model
+is a frozen bf16 base (2 B per parameter) plus the adapters with their fp32 weights, gradients and
+AdamW moments, and needs no reference copy (π_ref is the base). The figures are lower bounds of
+what the code allocates, so a plan that fits is never refused (docs/cluster.md has the tables)."""
 
 import copy
 import os
@@ -35,12 +37,14 @@ class Shape:
     intermediate: int
     kv: int  # key/value heads x head dim
     vocab: int
+    adapters: int = 0  # trained parameters of its LoRA adapters (and head); 0: fully trained
 
 
-def shape_of(config, head: str = "lm") -> Shape:
+def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
     """The Shape of a model with this config (an HF config or a model folder), built on the meta
     device: exact counts for any architecture, no memory used. head "lm": causal LM; "score":
-    one-label classifier (critic, reward model)."""
+    one-label classifier (critic, reward model). `lora`: (rank, target module names) of its
+    adapters, r (in + out) parameters per adapted linear layer; a score head trains whole."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -57,10 +61,16 @@ def shape_of(config, head: str = "lm") -> Shape:
     text = config.get_text_config()
     heads, hidden = text.num_attention_heads, text.hidden_size
     head_dim = getattr(text, "head_dim", None) or hidden // heads
+    rank, targets = lora
+    adapted = [m for layer in model.base_model.layers for name, m in layer.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]  # fmt: skip
+    adapters = sum(rank * (m.in_features + m.out_features) for m in adapted)
+    adapters += hidden if rank and head != "lm" else 0
     return Shape(
         params=params, layer=max(layers), root=params - sum(layers), layers=len(layers),
         hidden=hidden, intermediate=getattr(text, "intermediate_size", 4 * hidden),
         kv=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
+        adapters=adapters,
     )  # fmt: skip
 
 
@@ -96,13 +106,18 @@ def activations(s: Shape, tokens: int, checkpointing: bool) -> float:
 def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: float) -> tuple:
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
     idle = {"weights + AdamW": 12 * s.params / ranks}  # the gradients are freed after each step
+    busy = {"weights + grads + AdamW": 16 * s.params / ranks}
+    if s.adapters:  # LoRA: a frozen bf16 base; the adapters (and head) train in fp32
+        base = {"frozen bf16 base": 2 * s.params / ranks}
+        idle = {**base, "adapters + AdamW": 12 * s.adapters / ranks}
+        busy = {**base, "adapters + grads + AdamW": 16 * s.adapters / ranks}
     busy = {
-        "weights + grads + AdamW": 16 * s.params / ranks,
+        **busy,
         "gathered bf16 layers": 2 * 2 * (2 * s.layer + s.root),  # two layers, the root, their grads
         "activations": activations(s, tokens, checkpointing),
     }
     if lm_head:  # the chunk's logits, probabilities and their gradient; the head's fp32 gradient
-        busy["LM head"] = lm_head * HEAD_CHUNK_BYTES + 4 * s.vocab * s.hidden
+        busy["LM head"] = lm_head * HEAD_CHUNK_BYTES + (not s.adapters) * 4 * s.vocab * s.hidden
     return idle, busy
 
 
@@ -157,9 +172,12 @@ def fits(job: Job, capacity: float) -> bool:
     return peak(job, capacity)[3] <= capacity and engine_weights_fit(job, capacity)
 
 
-def remedies(job: Job, capacity: float) -> list[str]:
-    """Changes of the flags that would make `job` fit, cheapest first (at most three)."""
+def remedies(job: Job, capacity: float, lora_job: Job | None = None) -> list[str]:
+    """Changes of the flags that would make `job` fit, cheapest first (at most three); `lora_job`:
+    the job with LoRA adapters of rank 16 (not given: the job has adapters already)."""
     out = []
+    if lora_job is not None and fits(lora_job, capacity):
+        out.append("--lora-rank 16")
     if not job.checkpointing and fits(replace(job, checkpointing=True), capacity):
         out.append("--gradient-checkpointing")
     tokens = job.tokens // 2
@@ -204,9 +222,10 @@ def describe(row: tuple, capacity: float | None) -> str:
     return f"{gpu} {phase} needs {total / GiB:.1f} GiB{of} ({detail})"
 
 
-def check(job: Job, capacity: float | None) -> tuple[Job, str]:
-    """Refuse a job that cannot fit, in one line naming the numbers and what would make it fit.
-    Returns the job (colocated critic and reward model offloaded if that fits) and the plan line."""
+def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tuple[Job, str]:
+    """Refuse a job that cannot fit, in one line naming the numbers and what would make it fit
+    (remedies). Returns the job (colocated critic and reward model offloaded if that fits) and the
+    plan line."""
     if capacity is None:
         return job, f"memory plan (GPU size unknown, not checked): {describe(peak(job, GiB), None)}"
     offloaded = replace(job, offload=True)
@@ -220,7 +239,7 @@ def check(job: Job, capacity: float | None) -> tuple[Job, str]:
                          + ("" if job.colocate else " or --engine-tp"))  # fmt: skip
     worst = peak(job, capacity)
     if worst[3] > capacity:
-        fixes = remedies(job, capacity)
+        fixes = remedies(job, capacity, lora_job)
         hint = f"; it would fit with {' or '.join(fixes)}" if fixes else ""
         raise InputError(f"memory plan: {describe(worst, capacity)}: does not fit{hint}")
     note = ", the critic and reward model wait in host RAM when idle" if job.offload else ""
@@ -237,16 +256,24 @@ def check_run(
         return False
     reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
     chunks = (head == "lm") * (6.5 if getattr(args, "top_p", 1) < 1 else 3)  # the LM head's
+    rank, targets = getattr(args, "lora_rank", 0), getattr(args, "lora_target_modules", "")
+    lora = (rank, [t.strip() for t in targets.split(",")])
     job = Job(
-        policy=shape_of(policy, head), trainers=args.num_trainers, sp=args.sp_size,
+        policy=shape_of(policy, head, lora), trainers=args.num_trainers, sp=args.sp_size,
         tokens=args.max_tokens_per_micro_batch, checkpointing=args.gradient_checkpointing,
-        reference=reference, lm_head=chunks, engines=getattr(args, "num_engines", 0),
+        reference=reference and not rank, lm_head=chunks, engines=getattr(args, "num_engines", 0),
         engine_tp=getattr(args, "engine_tp", 1), engine_memory=engine_memory(args),
         colocate=getattr(args, "colocate", False), critics=getattr(args, "num_critics", 0),
-        critic=shape_of(critic, "score") if critic else None,
+        critic=shape_of(critic, "score", lora) if critic else None,
         reward_model=shape_of(reward_model, "score") if reward_model else None,
     )  # fmt: skip
-    job, line = check(job, gpu_capacity())
+    lora_job = None
+    if not rank and targets:  # what LoRA adapters of rank 16 would need (a remedy)
+        lora = (16, [t.strip() for t in targets.split(",")])
+        policy_16 = shape_of(policy, head, lora)
+        critic_16 = shape_of(critic, "score", lora) if critic else None
+        lora_job = replace(job, policy=policy_16, critic=critic_16, reference=False)
+    job, line = check(job, gpu_capacity(), lora_job)
     print(line, flush=True)
     return job.offload
 

@@ -108,13 +108,14 @@ def empty_model(auto_cls, path: str, attn: str, **config_kwargs):
         return auto_cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
 
 
-def load_weights(model, auto_cls, path: str, device) -> list[str]:
+def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]:
     """Allocate the (FSDP2-sharded) meta `model` on `device`, fill it with the checkpoint at `path`:
     rank 0 reads the checkpoint into host RAM with from_pretrained (which handles key renames, tied
     weights and the init of weights the checkpoint lacks) and broadcasts it tensor by tensor; every
     rank keeps only its shard (torch's set_model_state_dict with broadcast_from_rank0). Buffers not
     in a state dict (RoPE's inverse frequencies) are broadcast too. A collective: every rank calls
-    it. Returns the keys the checkpoint lacked (initialised on rank 0), the same on every rank."""
+    it. Returns the keys the checkpoint lacked (initialised on rank 0), the same on every rank.
+    `adapters` (common/lora.py): `model` has LoRA adapters; rank 0 puts the same on its copy."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -125,6 +126,8 @@ def load_weights(model, auto_cls, path: str, device) -> list[str]:
         # "eager" attention: this copy only holds the weights; flash-attn would refuse a CPU model
         kwargs = dict(dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
         source, info = auto_cls.from_pretrained(path, config=copy.deepcopy(model.config), **kwargs)
+        if adapters is not None:
+            adapters.fill(source)
         full, buffers = source.state_dict(), dict(source.named_buffers())
         missing = sorted(info["missing_keys"])
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -157,11 +160,11 @@ def check_weights(path: str, what: str) -> None:
         raise InputError(f"{what} {path} has no weights (model.safetensors or pytorch_model.bin)")
     for name in files:
         file = os.path.join(path, name)
-        if not os.path.isfile(file) or not _whole(file):
+        if not os.path.isfile(file) or not whole_file(file):
             raise InputError(f"{what} {path}: {name} is missing or truncated")
 
 
-def _whole(file: str) -> bool:
+def whole_file(file: str) -> bool:
     if file.endswith(".bin"):  # torch.save's format: a truncated file has no central directory
         return zipfile.is_zipfile(file)
     size = os.path.getsize(file)

@@ -11,10 +11,16 @@ through vLLM's protocol (start, update, finish). Two checks follow every push, s
 serves stale or half-loaded weights in silence: the engines refuse an update that did not set every
 weight (common/vllm_worker.py), and `.check()` compares the engines' log-probabilities of a probe
 text with the trainer's. The driver does it all with one call, `sync_weights`. vLLM is imported
-lazily: this module loads in the driver too."""
+lazily: this module loads in the driver too.
 
+With LoRA adapters on the model (--lora-rank) only the adapters travel (`AdapterTransfer`): a few
+MB that every engine writes as a PEFT folder and loads in place through vLLM's LoRA API; with
+--lora-merge-sync the merged full weights go through the backend above instead."""
+
+import ray
 import torch
 
+from common import lora
 from common.errors import RunError
 from common.placement import actor_name, call
 from common.ring_attn import RING, enable_ring_attention
@@ -25,18 +31,20 @@ PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over th
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
 
 
-def sync_weights(trainers: list, engines: list, colocated: bool) -> None:
+def sync_weights(trainers: list, engines: list, colocated: bool) -> int:
     """The driver's one call after each optimizer step: the trainers' weights into the engines,
     checked. Colocated, the engines wake their weights' memory first and their KV cache after (the
-    IPC copies are freed in between); the check needs them awake."""
+    IPC copies are freed in between); the check needs them awake. Returns the bytes sent to each
+    engine."""
     if colocated:
         call(engines, "wake_up", ["weights"])
-    call(trainers, "push_weights", watch=engines)  # an engine that dies in the transfer: named
+    sent = call(trainers, "push_weights", watch=engines)  # an engine that dies in it: named
     if colocated:  # an engine that is not fully awake schedules nothing: its generate would hang
         for i, awake in enumerate(call(engines, "wake_up", ["kv_cache"])):
             if not awake:
                 raise RunError(f"{actor_name(engines[i])}#{i} is still asleep after its wake-up")
     call(trainers, "check_weights", watch=engines)
+    return sent[0]
 
 
 def choose_backend(use_gpu: bool, colocate: bool) -> str:
@@ -51,9 +59,9 @@ class EngineClient:
     def __init__(self, engines: list, tp: int):
         self.engines, self.tp, self.version = engines, tp, 0
 
-    def _all(self, method: str, per_engine: list | None = None):
+    def _all(self, method: str, per_engine: list | None = None, *args):
         try:
-            return call(self.engines, method, per_rank=per_engine, timeout=600)
+            return call(self.engines, method, *args, per_rank=per_engine, timeout=600)
         except RunError as e:  # in trainer rank 0: a plain exception reaches the driver, naming it
             raise RuntimeError(str(e.code).removeprefix("error: ")) from None
 
@@ -77,22 +85,43 @@ class EngineClient:
     def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
         return self._all("prompt_logprobs", [token_ids] * len(self.engines))
 
+    def load_adapter(self, tensors: dict, config: dict) -> None:
+        self.version += 1
+        tensors = ray.put(tensors)  # once in the object store, whatever the number of engines
+        self._all("load_adapter", [tensors] * len(self.engines), config, self.version)
+
+
+class AdapterTransfer:
+    """Adapter-only sync, the transfer engine's interface: every rank gathers the adapters' full
+    tensors (FSDP2: a collective), rank 0 hands them to every engine (Engine.load_adapter)."""
+
+    def __init__(self, model, client: EngineClient, is_sender: bool, dtype: torch.dtype):
+        self.model, self.client, self.is_sender, self.dtype = model, client, is_sender, dtype
+
+    def send_weights(self) -> None:
+        tensors = lora.adapter_tensors(self.model, self.dtype)
+        if self.is_sender:
+            self.client.load_adapter(tensors, lora.config_dict(self.model))
+
 
 class WeightSync:
     """A trainer rank's end of the weight sync (`transfer`: vLLM's trainer-side engine): `.push()`
     sends the current weights as the engines' next version, `.check()` proves they serve them."""
 
-    def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype: torch.dtype):
-        self.transfer, self.colocated = transfer, colocated
+    def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype: torch.dtype,
+                 nbytes: int):  # fmt: skip
+        self.transfer, self.colocated, self.nbytes = transfer, colocated, nbytes
         self.model, self.probe, self.tolerance = model, probe, PROBE_TOLERANCE[dtype]
 
-    def push(self) -> None:
+    def push(self) -> int:
+        """Send; returns the bytes each engine receives (perf/sync_bytes)."""
         on_cuda = torch.cuda.is_available()
         if on_cuda:  # vLLM gathers and packs on streams of its own: the optimizer step lands first
             torch.cuda.synchronize()
         self.transfer.send_weights()
         if on_cuda and self.colocated:  # free the gathered copies: the KV cache wakes next
             torch.cuda.empty_cache()
+        return self.nbytes
 
     @torch.no_grad()
     def check(self) -> None:
@@ -101,12 +130,14 @@ class WeightSync:
         naming the engine."""
         # log p(token_i | tokens < i), i >= 1: a plain forward of one short row (no ring attention)
         ring = next((m.sp_group for m in self.model.modules() if hasattr(m, "sp_group")), None)
+        training, _ = self.model.training, self.model.eval()  # no dropout (--lora-dropout)
         if self.model.config._attn_implementation == RING:
             enable_ring_attention(self.model, None)
         try:
             ids = torch.tensor([self.probe], device=next(self.model.parameters()).device)
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         finally:
+            self.model.train(training)
             if ring is not None:
                 enable_ring_attention(self.model, ring)
         mine = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
@@ -125,24 +156,41 @@ class WeightSync:
 
 
 def init_weight_sync(
-    model, tokenizer, engines: list, backend: str, rank: int, address: tuple, tp: int, dtype
-) -> WeightSync:
+    model, tokenizer, engines: list, backend: str, rank: int, address: tuple, tp: int, dtype,
+    merge_lora: bool = False,
+) -> WeightSync:  # fmt: skip
     """The trainer side of the weight sync, built on every trainer rank (a collective with the
     engines). Rank 0 is the sender and rendezvouses with the engines at `address` (ip, port) here.
-    Weights travel in the engines' torch `dtype` (bf16 on GPU): half the bytes of fp32 weights."""
+    Weights travel in the engines' torch `dtype` (bf16 on GPU): half the bytes of fp32 weights.
+    A model with LoRA adapters sends only them, or with `merge_lora` its merged weights; either
+    way once here, before the engines generate (they loaded the base model only)."""
+    probe = tokenizer(PROBE_TEXT).input_ids
+    if lora.on(model) and not merge_lora:
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        transfer = AdapterTransfer(model, EngineClient(engines, tp), rank == 0, dtype)
+        sync = WeightSync(transfer, backend == "ipc", model, probe, dtype, trained * dtype.itemsize)
+        sync.push()
+        sync.check()
+        return sync
     addr, port = address
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.base import materialize_full_tensor
+    from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
 
     class CastSource(ModuleSource):
-        """The model's parameters in the engines' dtype: each FSDP2 shard is cast, then gathered."""
+        """The model's parameters in the engines' dtype: each FSDP2 shard is cast, then gathered.
+        A model with LoRA adapters (--lora-merge-sync): its merged weights, W + (α / r) B A."""
 
         def metadata(self):
-            return [type(m)(m.name, dtype, m.shape) for m in super().metadata()]
+            params = self._module.named_parameters()
+            return [ParamMeta(n.replace(".base_layer.", "."), dtype, tuple(p.shape))
+                    for n, p in params if ".lora_" not in n]  # fmt: skip
 
         def __iter__(self):
-            for name, param in self._module.named_parameters():  # all-gathers: collectives
-                yield name, materialize_full_tensor(param.detach().to(dtype))
+            if lora.on(self._module):
+                yield from lora.merged_parameters(self._module, dtype)  # all-gathers: collectives
+            else:
+                for name, param in self._module.named_parameters():
+                    yield name, materialize_full_tensor(param.detach().to(dtype))
             if torch.cuda.is_available():  # over CUDA IPC another process reads the copies
                 torch.cuda.current_stream().synchronize()
 
@@ -166,4 +214,9 @@ def init_weight_sync(
         raise ValueError(f"unknown weight-sync backend {backend!r}")
     source, client = CastSource(model), EngineClient(engines, tp)
     transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-    return WeightSync(transfer, backend == "ipc", model, tokenizer(PROBE_TEXT).input_ids, dtype)
+    sent = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
+    sync = WeightSync(transfer, backend == "ipc", model, probe, dtype, sent * dtype.itemsize)
+    if lora.on(model):
+        sync.push()
+        sync.check()
+    return sync

@@ -1,0 +1,259 @@
+"""LoRA (Hu et al. 2021, arXiv 2106.09685): train low-rank adapters on a frozen base model,
+    W' = W + (α / r) B A,      A (r x in) random, B (out x r) zero at the start,
+so a run starts exactly at the base model and trains r (in + out) numbers per adapted matrix
+instead of in x out. PEFT's LoRA layers are injected into the scripts' own model before FSDP2
+shards it (the adapters are sharded with their layer); only they (and a script's new head, e.g. a
+score head) train; the base stays in the training dtype with no gradient and no AdamW state.
+
+With adapters the scripts need no second model: π_ref is the policy with its adapters off
+(`Disabled`). Checkpoints hold the adapters as a PEFT folder (`adapter/`: adapter_config.json +
+adapter_model.safetensors, what PEFT, transformers and vLLM load); the final one also holds the
+merged model. The engines run vLLM with LoRA enabled and receive only the adapters after every
+step (common/weight_sync.py), or, with --lora-merge-sync, merged full weights."""
+
+import copy
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from common.errors import InputError
+
+ADAPTER = "adapter"  # a checkpoint's adapter folder
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank must be one of these
+PREFIX = "base_model.model."  # PEFT's file keys: base_model.model.<name>, no adapter name
+
+
+def targets(args) -> list[str]:
+    return [t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
+
+
+def alpha(args) -> float:
+    """--lora-alpha, by default 2 r (a scale α / r of 2 at any rank)."""
+    return args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+
+
+def check_args(args) -> None:
+    """The LoRA flags, alone and together (pure: validate_args calls it)."""
+    if not args.lora_rank:
+        given = [f for f in ("lora_alpha", "lora_merge_sync") if getattr(args, f, None)]
+        if given:
+            raise InputError(f"--{given[0].replace('_', '-')} needs --lora-rank (LoRA is off)")
+        return
+    if args.lora_rank > VLLM_RANKS[-1]:
+        raise InputError(f"--lora-rank {args.lora_rank}: at most {VLLM_RANKS[-1]} (vLLM's limit)")
+    if not targets(args):
+        raise InputError("--lora-target-modules is empty: name the linear layers to adapt")
+
+
+def check_model(args, model_path: str, head: str = "lm") -> None:
+    """The target modules exist in this model: linear layers inside every decoder layer (checked
+    on the meta device: no weights read). One `error:` line otherwise, listing what there is."""
+    if not args.lora_rank:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(model_path, num_labels=1)
+    auto_cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = auto_cls.from_config(config)
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise InputError(f"--lora-rank: {args.model} has no decoder layers at .layers")
+    linear = {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules()
+              if isinstance(m, torch.nn.Linear)}  # fmt: skip
+    missing = [t for t in targets(args) if t not in linear]
+    if missing:
+        raise InputError(f"--lora-target-modules: {args.model} has no linear layer {missing[0]!r} "
+                         f"in its decoder layers (they have: {', '.join(sorted(linear))})")  # fmt: skip
+
+
+def engine_lora(args) -> dict | None:
+    """What the engines need for adapter-only sync (None: full weights, no LoRA in vLLM)."""
+    if not args.lora_rank or args.lora_merge_sync:
+        return None
+    return {"rank": args.lora_rank, "targets": targets(args)}
+
+
+def vllm_rank(rank: int) -> int:
+    return next(r for r in VLLM_RANKS if r >= rank)
+
+
+@dataclass
+class Adapters:
+    """The adapters a trainer puts on its model: their config, the frozen base model's folder, the
+    checkpoint to start them from (--resume, else None: fresh), the modules trained whole."""
+
+    config: object  # peft.LoraConfig
+    base: str
+    resume: str | None = None
+    whole: tuple[str, ...] = ()
+
+    def add(self, model, device) -> None:
+        """Inject the adapters into `model` (meta device, before FSDP2 shards it) and freeze the
+        rest; on GPU the frozen base is kept in bf16 (no fp32 master copy of frozen weights)."""
+        import torch
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(copy.deepcopy(self.config), model, low_cpu_mem_usage=True)
+        # a head trained whole stays itself (no PEFT wrapper); adapter_config.json names it
+        model.peft_config["default"].modules_to_save = list(self.whole) or None
+        for name, param in model.named_parameters():
+            param.requires_grad_(is_trained(name, self.whole))
+            if device.type == "cuda" and not param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+
+    def fill(self, source) -> None:
+        """Rank 0's full copy (common/models.py's load_weights): the same adapters, initialised as
+        PEFT does (A random, B zero) or read from the checkpoint being resumed."""
+        import torch
+        from peft import inject_adapter_in_model
+        from safetensors.torch import load_file
+
+        inject_adapter_in_model(self.config, source)
+        if self.resume is None:
+            return
+        saved = load_file(os.path.join(self.resume, ADAPTER, "adapter_model.safetensors"))
+        params = dict(source.named_parameters())
+        with torch.no_grad():
+            for key, tensor in saved.items():
+                params[model_name(key)].copy_(tensor)
+
+
+def adapters(args, base: str, path: str, whole=()) -> Adapters | None:
+    """The Adapters of a script's model from its flags (None when --lora-rank is 0): on the frozen
+    model at `base`, started from the checkpoint at `path` if that is another folder (--resume)."""
+    if not args.lora_rank:
+        return None
+    from peft import LoraConfig
+
+    config = LoraConfig(
+        r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
+        target_modules=targets(args), base_model_name_or_path=base,
+    )  # fmt: skip
+    return Adapters(config, base, path if path != base else None, tuple(whole))
+
+
+def is_trained(name: str, whole=()) -> bool:
+    """An adapter's parameter, or one of a module trained whole (a score head)."""
+    return ".lora_" in name or name.split(".")[0] in whole
+
+
+def file_key(name: str) -> str:
+    """A model parameter's name -> its key in adapter_model.safetensors (PEFT's format)."""
+    return PREFIX + name.replace(".default.", ".")
+
+
+def model_name(key: str) -> str:
+    name = key.removeprefix(PREFIX)
+    for part in (".lora_A.", ".lora_B."):
+        name = name.replace(part, f"{part}default.")
+    return name
+
+
+def on(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+@contextmanager
+def disabled(model):
+    """The model with every adapter off: the frozen base (π_ref). Weights are untouched."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class Disabled:
+    """π_ref without a second copy: calls the policy with its adapters off. Used where a script
+    calls a frozen model (compute_logprobs(ref, ...)); attributes read through to the policy."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with disabled(self.model):
+            return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def adapter_tensors(model, dtype=None) -> dict:
+    """{file key: full tensor} of every trained parameter (FSDP2 shards gathered: a collective,
+    every rank calls it), on the CPU, in `dtype` if given."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            full = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            # a copy of its own: a gathered tensor can be a view into FSDP2's buffers
+            out[file_key(name)] = full.to("cpu", dtype or full.dtype, copy=True)
+    return out
+
+
+def write_adapter(folder: str, tensors: dict, config: dict) -> None:
+    """A PEFT adapter folder: adapter_config.json + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    file = os.path.join(folder, "adapter_model.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, file, metadata={"format": "pt"})
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def config_dict(model) -> dict:
+    """The adapter_config.json of a model with adapters (PEFT's fields; sets as sorted lists)."""
+    config = model.peft_config["default"].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def merge(state: dict, model) -> dict:
+    """A full state dict with adapters (names as the model's) -> the merged model's, in HF names:
+    W <- W + (α / r) B A   for every adapted weight; the adapters dropped."""
+    scale = {name: m.scaling["default"] for name, m in lora_layers(model).items()}
+    merged = {}
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if owner and leaf == "weight":
+            a, b = state[f"{owner}.lora_A.default.weight"], state[f"{owner}.lora_B.default.weight"]
+            tensor = (tensor.float() + scale[owner] * (b.float() @ a.float())).to(tensor.dtype)
+        merged[name.replace(".base_layer.", ".")] = tensor
+    return merged
+
+
+def lora_layers(model) -> dict:
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged_parameters(model, dtype):
+    """(HF name, full tensor in `dtype`) of the merged model, one parameter at a time (every rank
+    iterates: the FSDP2 gathers are collectives): --lora-merge-sync's weights for the engines."""
+    layers = lora_layers(model)
+
+    def full(param):
+        param = param.detach()
+        return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        tensor = full(param)
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if owner and leaf == "weight":
+            layer = layers[owner]
+            a, b = full(layer.lora_A["default"].weight), full(layer.lora_B["default"].weight)
+            tensor = tensor.float() + layer.scaling["default"] * (b.float() @ a.float())
+        yield name.replace(".base_layer.", "."), tensor.to(dtype)
