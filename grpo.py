@@ -406,7 +406,7 @@ class Trainer:
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
-        # with --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
+        # --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
         adapters = lora.adapters(args, ref_path, model_path)
         self.model = load_policy(model_path, self.device, args.gradient_checkpointing, adapters)
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k

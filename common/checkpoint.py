@@ -1,7 +1,8 @@
 """Checkpoints: a run's step_N folders (an HF model folder, loadable by transformers and vLLM as
 is, plus trainer_state.pt for --resume) and final/, written by trainer rank 0 from the FSDP2 shards
-of every rank, and the checks that make --resume safe before anything starts. With LoRA adapters
-(--lora-rank) a checkpoint holds them as a PEFT folder, adapter/, and final/ the merged model too."""
+of every rank, and the checks that make --resume safe before anything starts. With LoRA
+(--lora-rank) a checkpoint holds the adapters as a PEFT folder, adapter/; final/ the merged model
+too."""
 
 import argparse
 import contextlib
@@ -121,7 +122,7 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
 
 
 def check_lora_flags(saved: dict, args) -> None:
-    """A LoRA run resumes with its adapters' shape and scale; a full fine-tuning run without LoRA."""
+    """A LoRA run resumes with the same adapters (shape, scale), a full fine-tuning run without."""
     rank = saved.get("lora_rank", 0) or 0
     if rank != getattr(args, "lora_rank", 0):
         what = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}" if rank else (

@@ -120,11 +120,11 @@ class Engine:
             requests = [p for p in prompts for _ in range(n)]
             params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
+        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora())
         samples = [
             dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                  logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for out in self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora())
-            for c in out.outputs
+            for out in outs for c in out.outputs
         ]  # fmt: skip
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 

@@ -66,8 +66,9 @@ def check_model(args, model_path: str, head: str = "lm") -> None:
               if isinstance(m, torch.nn.Linear)}  # fmt: skip
     missing = [t for t in targets(args) if t not in linear]
     if missing:
+        have = ", ".join(sorted(linear))
         raise InputError(f"--lora-target-modules: {args.model} has no linear layer {missing[0]!r} "
-                         f"in its decoder layers (they have: {', '.join(sorted(linear))})")  # fmt: skip
+                         f"in its decoder layers (they have: {have})")  # fmt: skip
 
 
 def engine_lora(args) -> dict | None:

@@ -1,17 +1,14 @@
 """The memory plan: what each GPU of a job must hold, from the model config, the layout and the
-flags, computed before anything starts: a run that cannot fit stops in a second with the numbers,
-not out of memory minutes later.
-
+flags, computed before anything starts: a run that cannot fit stops in a second with the numbers.
 Per parameter a trainer rank holds fp32 weights (4 B), gradients (4 B, freed after each optimizer
 step) and AdamW's two moments (8 B), sharded over the trainer ranks by FSDP2; a frozen reference
 holds fp32 weights (4 B). While it computes, a rank also holds bf16 copies of two decoder layers (in
 use, and prefetched by FSDP2) and of the root (embeddings, LM head), their gradients, the
 activations autograd keeps and the LM head's chunk (common/lm_head.py). A vLLM engine takes its
 --engine-memory share of the GPU; colocated, it sleeps while the trainers train. A reward model is
-bf16, whole; every process adds a CUDA context. With LoRA adapters (--lora-rank) a trained model
-is a frozen bf16 base (2 B per parameter) plus the adapters with their fp32 weights, gradients and
-AdamW moments, and needs no reference copy (π_ref is the base). The figures are lower bounds of
-what the code allocates, so a plan that fits is never refused (docs/cluster.md has the tables)."""
+bf16, whole; every process adds a CUDA context. With LoRA (--lora-rank) a trained model is a frozen
+bf16 base (2 B per parameter) plus its adapters' 16 B, and π_ref is that base. The figures are lower
+bounds of what the code allocates: a plan that fits is never refused (docs/cluster.md's tables)."""
 
 import copy
 import os
@@ -63,7 +60,7 @@ def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     rank, targets = lora
     adapted = [m for layer in model.base_model.layers for name, m in layer.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]  # fmt: skip
+               if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets]  # fmt: skip
     adapters = sum(rank * (m.in_features + m.out_features) for m in adapted)
     adapters += hidden if rank and head != "lm" else 0
     return Shape(
@@ -256,24 +253,22 @@ def check_run(
         return False
     reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
     chunks = (head == "lm") * (6.5 if getattr(args, "top_p", 1) < 1 else 3)  # the LM head's
-    rank, targets = getattr(args, "lora_rank", 0), getattr(args, "lora_target_modules", "")
-    lora = (rank, [t.strip() for t in targets.split(",")])
-    job = Job(
-        policy=shape_of(policy, head, lora), trainers=args.num_trainers, sp=args.sp_size,
-        tokens=args.max_tokens_per_micro_batch, checkpointing=args.gradient_checkpointing,
-        reference=reference and not rank, lm_head=chunks, engines=getattr(args, "num_engines", 0),
-        engine_tp=getattr(args, "engine_tp", 1), engine_memory=engine_memory(args),
-        colocate=getattr(args, "colocate", False), critics=getattr(args, "num_critics", 0),
-        critic=shape_of(critic, "score", lora) if critic else None,
-        reward_model=shape_of(reward_model, "score") if reward_model else None,
-    )  # fmt: skip
-    lora_job = None
-    if not rank and targets:  # what LoRA adapters of rank 16 would need (a remedy)
-        lora = (16, [t.strip() for t in targets.split(",")])
-        policy_16 = shape_of(policy, head, lora)
-        critic_16 = shape_of(critic, "score", lora) if critic else None
-        lora_job = replace(job, policy=policy_16, critic=critic_16, reference=False)
-    job, line = check(job, gpu_capacity(), lora_job)
+    targets = [t.strip() for t in getattr(args, "lora_target_modules", "").split(",")]
+
+    def plan(rank: int) -> Job:  # with LoRA adapters of this rank (0: every weight trained)
+        return Job(
+            policy=shape_of(policy, head, (rank, targets)), trainers=args.num_trainers,
+            sp=args.sp_size, tokens=args.max_tokens_per_micro_batch,
+            checkpointing=args.gradient_checkpointing, reference=reference and not rank,
+            lm_head=chunks, engines=getattr(args, "num_engines", 0),
+            engine_tp=getattr(args, "engine_tp", 1), engine_memory=engine_memory(args),
+            colocate=getattr(args, "colocate", False), critics=getattr(args, "num_critics", 0),
+            critic=shape_of(critic, "score", (rank, targets)) if critic else None,
+            reward_model=shape_of(reward_model, "score") if reward_model else None,
+        )  # fmt: skip
+
+    rank = getattr(args, "lora_rank", 0)  # without LoRA, say whether rank-16 adapters would fit
+    job, line = check(plan(rank), gpu_capacity(), None if rank or not targets[0] else plan(16))
     print(line, flush=True)
     return job.offload
 

@@ -12,14 +12,15 @@ from conftest import REPO
 
 SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
 # About 5 % above the sizes at 100-column lines: growth past them is a decision, not drift.
+# LoRA raised each by its five flags and the adapters' loading (ppo.py: the critic's too).
 BUDGET = {
-    "sft.py": 520,
-    "rm.py": 510,
-    "dpo.py": 610,
-    "grpo.py": 785,
-    "ppo.py": 1085,  # + loss_weights (ALGO block), whole checkpoints, --no-save-final
-    "dapo.py": 830,
-    "grpo_async.py": 870,
+    "sft.py": 535,
+    "rm.py": 525,
+    "dpo.py": 630,
+    "grpo.py": 800,
+    "ppo.py": 1135,  # + loss_weights (ALGO block), whole checkpoints, --no-save-final, LoRA
+    "dapo.py": 845,
+    "grpo_async.py": 875,
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
@@ -94,7 +95,9 @@ def test_common_stays_small():
     # elsewhere and moving plot.py, a tool no script imports, to the repo root (2,672). grpo_async's
     # fault handling then needed ~60 more (reward workers off the critical path, the liveness watch
     # of a call, checked token versions), with nothing left to cut that would not cost clarity.
-    assert total <= 2750, f"common/ has {total} lines"
+    # LoRA added common/lora.py (~255 lines: PEFT under FSDP2, π_ref as the base, PEFT folders,
+    # merged weights) and ~180 in the engines, the weight sync, checkpoints and the memory plan.
+    assert total <= 3200, f"common/ has {total} lines"
 
 
 @pytest.mark.parametrize("script", PRESENT)
