@@ -7,12 +7,14 @@ Model shapes are the published configs (real vocabularies; built on the meta dev
 The GPU is an H100 80GB: 81,559 MiB as nvidia-smi reports it. Computed, not measured.
 """
 
+import functools
 import os
 import sys
 from dataclasses import replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from common.lora import DEFAULT_TARGETS  # noqa: E402
 from common.memory import GiB, Job, check, needs, shape_of  # noqa: E402
 
 H100 = 81559 * 2**20
@@ -28,11 +30,21 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def shape(name: str, head: str = "lm"):
+@functools.cache
+def shape(name: str, head: str = "lm", lora_rank: int = 0):
+    """The Shape of a published model; with `lora_rank`, with LoRA adapters on the default targets."""
     from transformers import AutoConfig
 
     fields = dict(CONFIGS[name])
-    return shape_of(AutoConfig.for_model(fields.pop("model_type"), **fields), head)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return shape_of(config, head, (lora_rank, DEFAULT_TARGETS.split(",")))
+
+
+def with_lora(job: Job, rank: int = 16) -> Job:
+    """The same run with LoRA adapters of this rank (π_ref: the base, no copy)."""
+    name = next(n for n in CONFIGS if shape(n) == job.policy)
+    critic = shape(name, "score", rank) if job.critic else None
+    return replace(job, policy=shape(name, "lm", rank), critic=critic, reference=False)
 
 
 def cases() -> list[tuple[str, str, Job]]:
@@ -51,6 +63,11 @@ def cases() -> list[tuple[str, str, Job]]:
          Job(s15, trainers=1, critic=shape("Qwen2.5-1.5B", "score"), critics=1,
              reward_model=shape("Qwen2.5-1.5B", "score"), **ppo)),
         ("grpo.py 7B, full fine-tuning", "1 GPU, colocated", Job(s7, trainers=1, **dict(grpo, tokens=8192))),
+        ("grpo.py 7B, --lora-rank 16", "1 GPU, colocated",
+         with_lora(Job(s7, trainers=1, **dict(grpo, tokens=8192)))),
+        ("ppo.py 7B + critic, --lora-rank 16 (both)", "1 GPU, hybrid engine",
+         with_lora(Job(s7, trainers=1, critic=shape("Qwen2.5-7B", "score"), critics=1,
+                       **dict(ppo, tokens=8192)))),
         ("grpo.py 7B, --kl-coef 0.01", "8 GPUs: --num-trainers 4 --num-engines 4",
          Job(s7, trainers=4, engines=4, **split7)),
         ("grpo.py 7B, --kl-coef 0.01", "8 GPUs: --num-trainers 8 --num-engines 8 --colocate",
@@ -65,8 +82,8 @@ def rows() -> list[str]:
     verdict."""
     out = ["| run | layout | per GPU (GiB of 79.6) | verdict |", "| --- | --- | --- | --- |"]
     for run, layout, job in cases():
-        try:
-            job = check(job, H100)[0]
+        try:  # a refusal says whether LoRA would fit (as the scripts' plans say)
+            job = check(job, H100, None if job.policy.adapters else with_lora(job))[0]
             verdict = "fits" + (
                 " (critic and reward model offloaded when idle)" if job.offload else ""
             )

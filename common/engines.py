@@ -190,7 +190,13 @@ class Adapter:
     NAME, ID = "policy", 1
 
     def __init__(self):
-        self.folder, self.written = tempfile.mkdtemp(prefix="posttrain-adapter-"), False
+        tmp = tempfile.gettempdir()
+        for name in os.listdir(tmp):  # the folders of engines that are gone (Ray kills actors)
+            pid = name.split("-")[2] if name.startswith("posttrain-adapter-") else ""
+            if pid.isdigit() and not alive(int(pid)):
+                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+        self.folder = tempfile.mkdtemp(prefix=f"posttrain-adapter-{os.getpid()}-")
+        self.written = False
         atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
 
     def write(self, tensors: dict, config: dict) -> None:
@@ -205,6 +211,16 @@ class Adapter:
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(self.NAME, self.ID, self.folder, load_inplace=load_inplace)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:

@@ -110,7 +110,7 @@ def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: flo
         busy = {**base, "adapters + grads + AdamW": 16 * s.adapters / ranks}
     busy = {
         **busy,
-        "gathered bf16 layers": 2 * 2 * (2 * s.layer + s.root),  # two layers, the root, their grads
+        "gathered bf16 layers": 2 * (1 + (not s.adapters)) * (2 * s.layer + s.root),  # + grads
         "activations": activations(s, tokens, checkpointing),
     }
     if lm_head:  # the chunk's logits, probabilities and their gradient; the head's fp32 gradient

@@ -331,18 +331,21 @@ def test_track_without_a_wandb_login(run, monkeypatch, tmp_path, name):
 # ---- class 2 and 3: --resume ----
 
 
-def fake_run(tmp_path, script, model, ppo_critic=False, truncate=False):
-    """A run dir as the scripts write it, with a whole (or truncated) checkpoint at step 1."""
+def fake_run(tmp_path, script, model, ppo_critic=False, truncate=False, lora=None):
+    """A run dir as the scripts write it, with a whole (or truncated) checkpoint at step 1; with
+    `lora` (its LoRA flags) the checkpoint holds adapters (adapter/) instead of a model."""
     run_dir = tmp_path / "old_run"
     ckpt = run_dir / "checkpoints" / "step_1"
+    weights = "adapter/adapter_model.safetensors" if lora else "model.safetensors"
     for folder in [ckpt] + ([ckpt / "critic"] if ppo_critic else []):
-        folder.mkdir(parents=True)
-        save_file({"w": torch.zeros(64, 64)}, str(folder / "model.safetensors"))
+        (folder / weights).parent.mkdir(parents=True, exist_ok=True)
+        save_file({"w": torch.zeros(64, 64)}, str(folder / weights))
         torch.save({"step": 1}, folder / "trainer_state.pt")
     if truncate:
-        data = (ckpt / "model.safetensors").read_bytes()
-        (ckpt / "model.safetensors").write_bytes(data[:-100])
-    (run_dir / "config.json").write_text(json.dumps({"args": {"model": model}, "script": script}))
+        data = (ckpt / weights).read_bytes()
+        (ckpt / weights).write_bytes(data[:-100])
+    config = {"args": {"model": model, **(lora or {})}, "script": script}
+    (run_dir / "config.json").write_text(json.dumps(config))
     return str(run_dir)
 
 
@@ -391,6 +394,55 @@ def test_a_finished_run_is_extended_from_its_end_or_refused(run, tmp_path, tiny_
     shutil.copy(os.path.join(run_dir, "checkpoints", "step_1", "trainer_state.pt"), final)
     message = run(name, "--resume", run_dir, "--num-steps", "3")
     assert "the checkpoint is at step 3, not before --num-steps 3: pass a larger" in message
+
+
+LORA_RUN = {"lora_rank": 8, "lora_alpha": None, "lora_target_modules": "q_proj,v_proj"}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_lora_flags_that_cannot_apply(run, tiny_model, name):
+    """LoRA flags the model or each other cannot take: one line before anything starts."""
+    no_module = "--lora-target-modules: {} has no linear layer {!r} in its decoder layers (they "
+    no_module += "have: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"
+    for module in ("c_attn", "lm_head", "embed_tokens", "self_attn"):  # absent, or not inside
+        message = run(name, "--lora-rank", "8", "--lora-target-modules", f"q_proj,{module}")
+        assert message == "error: " + no_module.format(tiny_model, module)
+    message = run(name, "--lora-rank", "8", "--lora-target-modules", " , ")
+    assert message == "error: --lora-target-modules is empty: name the linear layers to adapt"
+    message = run(name, "--lora-rank", "1024")
+    assert message == "error: --lora-rank 1024: at most 512 (vLLM's limit)"
+    message = run(name, "--lora-alpha", "16")
+    assert message == "error: --lora-alpha needs --lora-rank (LoRA is off)"
+    assert "--lora-rank" in run(name, "--lora-rank", "-1") and "--lora-dropout" in run(
+        name, "--lora-rank", "8", "--lora-dropout", "1"
+    )
+    if name in RL:
+        message = run(name, "--lora-merge-sync")
+        assert message == "error: --lora-merge-sync needs --lora-rank (LoRA is off)"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_keeps_the_lora_flags_of_the_run(run, tmp_path, tiny_model, name):
+    """A LoRA run resumes with its adapters (rank, scale, modules), a full fine-tuning run without
+    LoRA; a LoRA checkpoint's adapters are checked whole."""
+    critic = name == "ppo"
+    lora_run = fake_run(tmp_path / "a", f"{name}.py", tiny_model, critic, lora=LORA_RUN)
+    message = run(name, "--resume", lora_run)
+    assert message == "error: --resume: the run trained LoRA adapters of rank 8: pass --lora-rank 8"
+    message = run(name, "--resume", fake_run(tmp_path / "b", f"{name}.py", tiny_model, critic),
+                  "--lora-rank", "8")  # fmt: skip
+    assert message == "error: --resume: the run fine-tuned the full model: leave out --lora-rank"
+    same = ("--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj")
+    message = run(name, "--resume", lora_run, *same, "--lora-alpha", "32")
+    assert message == "error: --resume: the run was made with --lora-alpha 16, not 32"
+    message = run(name, "--resume", lora_run, "--lora-rank", "8")
+    assert message == (
+        "error: --resume: the run was made with --lora-target-modules q_proj,v_proj, not "
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    )
+    cut = fake_run(tmp_path / "c", f"{name}.py", tiny_model, critic, truncate=True, lora=LORA_RUN)
+    message = run(name, "--resume", cut, *same)
+    assert message.endswith("step_1/adapter/adapter_model.safetensors is missing or truncated")
 
 
 def test_resume_says_which_step_it_continues_from(run, tmp_path, tiny_model, capsys):

@@ -228,3 +228,32 @@ def test_a_parked_model_gives_its_gpu_memory_back(one_rank_group, tiny_model):
                 memory.to_device(model, optimizer, torch.device("cuda", 0))
         del model, optimizer
     assert losses[True] == losses[False]
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_7b_fits_one_gpu_with_lora_and_full_fine_tuning_is_told_so(
+    monkeypatch, capsys, tmp_path, name
+):
+    """Through a script's own flags on a (pretended) 80 GB GPU: Qwen2.5-7B colocated with its
+    engine fits with --lora-rank 16 (ppo.py: its critic too, no reference copy), and full
+    fine-tuning is refused with a line that suggests --lora-rank."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    fields = dict(memory_plan.CONFIGS["Qwen2.5-7B"])
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(tmp_path)
+    module = importlib.import_module(name)
+    flags = dict(model=str(tmp_path), colocate=True, gradient_checkpointing=True,
+                 max_tokens_per_micro_batch=8192)  # fmt: skip
+    monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", str(H100 / GiB))
+    paths = (str(tmp_path), str(tmp_path)) if name == "ppo" else ()
+    args = module.Args(**flags, lora_rank=16)
+    module.validate_args(args)
+    memory.check_run(args, True, str(tmp_path), True, *paths)
+    assert re.fullmatch(r"memory plan: GPU 0 .* needs \d+\.\d GiB of 80 \(.*frozen bf16 base 14\.2.*\): fits.*\n",
+                        capsys.readouterr().out)  # fmt: skip
+    args = module.Args(**flags)
+    module.validate_args(args)
+    with pytest.raises(SystemExit, match=r"does not fit; it would fit with --lora-rank 16"):
+        memory.check_run(args, True, str(tmp_path), True, *paths)
