@@ -69,9 +69,10 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None)
         "max_num_batched_tokens": max(8192, max_model_len),
     }
     if lora:  # one adapter, the policy's; no LoRA buffers on modules it does not adapt (lm_head)
-        from common.lora import vllm_rank
+        from common.lora import VLLM_RANKS
 
-        lora = dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_rank(lora["rank"]),
+        rank = next(r for r in VLLM_RANKS if r >= lora["rank"])  # the next size vLLM allows
+        lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank,
                     lora_target_modules=lora["targets"])  # fmt: skip
     return dict(
         model=model_path,
@@ -216,10 +217,8 @@ class Adapter:
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
+    except OSError as e:  # PermissionError: another user's process
+        return not isinstance(e, ProcessLookupError)
     return True
 
 

@@ -78,10 +78,6 @@ def engine_lora(args) -> dict | None:
     return {"rank": args.lora_rank, "targets": targets(args)}
 
 
-def vllm_rank(rank: int) -> int:
-    return next(r for r in VLLM_RANKS if r >= rank)
-
-
 @dataclass
 class Adapters:
     """The adapters a trainer puts on its model: their config, the frozen base model's folder, the
@@ -101,8 +97,8 @@ class Adapters:
         inject_adapter_in_model(copy.deepcopy(self.config), model, low_cpu_mem_usage=True)
         # a head trained whole stays itself (no PEFT wrapper); adapter_config.json names it
         model.peft_config["default"].modules_to_save = list(self.whole) or None
-        for name, param in model.named_parameters():
-            param.requires_grad_(is_trained(name, self.whole))
+        for name, param in model.named_parameters():  # trained: the adapters, a whole head
+            param.requires_grad_(".lora_" in name or name.split(".")[0] in self.whole)
             if device.type == "cuda" and not param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
 
@@ -135,11 +131,6 @@ def adapters(args, base: str, path: str, whole=()) -> Adapters | None:
         target_modules=targets(args), base_model_name_or_path=base,
     )  # fmt: skip
     return Adapters(config, base, path if path != base else None, tuple(whole))
-
-
-def is_trained(name: str, whole=()) -> bool:
-    """An adapter's parameter, or one of a module trained whole (a score head)."""
-    return ".lora_" in name or name.split(".")[0] in whole
 
 
 def file_key(name: str) -> str:

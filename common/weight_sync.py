@@ -85,8 +85,8 @@ class EngineClient:
     def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
         return self._all("prompt_logprobs", [token_ids] * len(self.engines))
 
-    def load_adapter(self, tensors: dict, config: dict) -> None:
-        self.version += 1
+    def load_adapter(self, tensors: dict, config: dict, version: int) -> None:
+        self.version = version
         tensors = ray.put(tensors)  # once in the object store, whatever the number of engines
         self._all("load_adapter", [tensors] * len(self.engines), config, self.version)
 
@@ -97,11 +97,13 @@ class AdapterTransfer:
 
     def __init__(self, model, client: EngineClient, is_sender: bool, dtype: torch.dtype):
         self.model, self.client, self.is_sender, self.dtype = model, client, is_sender, dtype
+        self.version = -1  # the first push, before any generate, sends the start: version 0
 
     def send_weights(self) -> None:
         tensors = lora.adapter_tensors(self.model, self.dtype)
+        self.version += 1
         if self.is_sender:
-            self.client.load_adapter(tensors, lora.config_dict(self.model))
+            self.client.load_adapter(tensors, lora.config_dict(self.model), self.version)
 
 
 class WeightSync:

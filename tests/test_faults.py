@@ -241,7 +241,9 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
     args = module.Args(learning_rate=1e-3)
     nan = float("nan")
     if name == "ppo-critic":
-        actor = module.Critic.__ray_actor_class__(args, tiny_model, False, 0, 1, addr, port)
+        actor = module.Critic.__ray_actor_class__(
+            args, tiny_model, tiny_model, False, 0, 1, addr, port
+        )
         seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[1.0] * 2, returns=[nan] * 2,
                                    old_values=[0.0] * 2, loss_weights=[0.5] * 2)  # fmt: skip
         call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
@@ -253,12 +255,11 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
         )
         call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
     elif name == "sft":
-        actor = module.Trainer.__ray_actor_class__(args, tiny_model, 0, 1, addr, port)
+        actor = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
         seq = module.make_sequence([5, 6, 7, 8, 9], [0, 0, 0, 1, 1])
         call = lambda: actor.train_step(split_for_ranks([seq], 1, 64)[0], 0, 0)  # noqa: E731  (0 tokens: 0/0)
     else:  # rm, dpo: "0 pairs in the batch" divides the loss by 0
-        paths = (tiny_model, tiny_model) if name == "dpo" else (tiny_model,)
-        actor = module.Trainer.__ray_actor_class__(args, *paths, 0, 1, addr, port)
+        actor = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
         if name == "rm":
             pair = module.make_pair([5, 6, 7, 8], [5, 6, 7, 9], margin=0.0)
         else:
