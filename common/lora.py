@@ -36,8 +36,9 @@ def alpha(args) -> float:
 
 def check_args(args) -> None:
     """The LoRA flags, alone and together (pure: validate_args calls it)."""
-    if not args.lora_rank:
-        given = [f for f in ("lora_alpha", "lora_merge_sync") if getattr(args, f, None)]
+    if not args.lora_rank:  # a LoRA flag given without it would be ignored in silence
+        given = [f for f in ("lora_alpha", "lora_dropout", "lora_merge_sync", "lora_target_modules")
+                 if getattr(args, f, None) not in (None, 0, False, DEFAULT_TARGETS)]  # fmt: skip
         if given:
             raise InputError(f"--{given[0].replace('_', '-')} needs --lora-rank (LoRA is off)")
         return

@@ -413,6 +413,10 @@ def test_lora_flags_that_cannot_apply(run, tiny_model, name):
     assert message == "error: --lora-rank 1024: at most 512 (vLLM's limit)"
     message = run(name, "--lora-alpha", "16")
     assert message == "error: --lora-alpha needs --lora-rank (LoRA is off)"
+    message = run(name, "--lora-dropout", "0.1")
+    assert message == "error: --lora-dropout needs --lora-rank (LoRA is off)"
+    message = run(name, "--lora-target-modules", "q_proj")
+    assert message == "error: --lora-target-modules needs --lora-rank (LoRA is off)"
     assert "--lora-rank" in run(name, "--lora-rank", "-1") and "--lora-dropout" in run(
         name, "--lora-rank", "8", "--lora-dropout", "1"
     )
