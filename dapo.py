@@ -26,11 +26,11 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import ray
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
@@ -42,6 +42,7 @@ from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
+from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
 from common.rewards import call_reward
 from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 from common.tracking import Run
@@ -113,6 +114,9 @@ class Args:
     (default 1)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
+    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     num_generations: Annotated[int, ">= 2"] = 8
@@ -172,26 +176,26 @@ class Args:
 
 # ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
 def load_policy(
-    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None
+    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None, dtype="auto"
 ) -> torch.nn.Module:
     """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
     head).
 
     The model is built on the meta device and sharded before any weight exists; then rank 0 reads
     the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
-    weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16 below
+    compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
     With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
     the sharding and trained alone (common/lora.py), read from `path` on --resume.
     """
     base = adapters.base if adapters else path
-    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device))
+    compute = compute_dtype(device, dtype)  # fp32 on CPU
+    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device, compute))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adapters:
-        adapters.add(model, device)
-    mp = MixedPrecisionPolicy()  # fp32 on CPU
-    if device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        adapters.add(model, compute)  # the frozen base in the compute dtype
+    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -424,7 +428,9 @@ class Trainer:
         torch.manual_seed(args.seed)
         # --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
         adapters = lora.adapters(args, ref_path, model_path)
-        self.model = load_policy(model_path, self.device, args.gradient_checkpointing, adapters)
+        self.model = load_policy(
+            model_path, self.device, args.gradient_checkpointing, adapters, args.dtype
+        )
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
@@ -438,17 +444,18 @@ class Trainer:
             betas=(0.9, 0.95),
             weight_decay=args.weight_decay,
         )
+        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
 
     def frozen_model(self, path: str, adapters):
         if adapters:  # no second copy
             return lora.Disabled(self.model)
-        frozen = load_policy(path, self.device, gradient_checkpointing=False)
+        frozen = load_policy(path, self.device, False, dtype=self.args.dtype)
         frozen.eval().requires_grad_(False)
         enable_ring_attention(frozen, self.sp.group)
         return frozen
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines'
+        dtype = compute_dtype(self.device, self.args.dtype)  # the engines'
         sender, tp, merge = (
             (self.rank, (addr, port)),
             self.args.engine_tp,
@@ -461,8 +468,9 @@ class Trainer:
     def push_weights(self) -> int:
         return self.weight_sync.push()  # the bytes each engine received
 
-    def check_weights(self):
-        self.weight_sync.check()  # the engines serve what was pushed, or the run stops naming one
+    def check_weights(self) -> float | None:
+        # the engines serve what was pushed, or the run stops naming one; rank 0 returns the gap
+        return self.weight_sync.check()
 
     def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
         """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums to the
@@ -498,7 +506,8 @@ class Trainer:
                     # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
                     real = mb["loss_scale"].item()
                     loss = loss * mb["loss_scale"]
-                    (loss * self.world_size).backward()  # FSDP averages over ranks: undo it
+                    # FSDP averages over ranks: undo it; float16: × the loss scale S
+                    self.loss_scale.backward(loss * self.world_size)
                     stats["loss"] += loss.item()
                     stats["tokens"] += len(logprobs) * real
                     for key, value in token_stats.items():
@@ -523,9 +532,15 @@ class Trainer:
 
     def optimizer_step(self, step: int) -> float:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. Returns the norm."""
+        every rank before the update, so the weights are never NaN. float16: the gradients are
+        unscaled first, and an overflow skips the update and lowers the loss scale (common/
+        precision.py). Returns the norm (0 for a skipped update)."""
+        self.loss_scale.unscale(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if self.loss_scale.skip(grad_norm, step):
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(
                 f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
@@ -637,7 +652,7 @@ def main(args: Args):
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
-        sync_bytes = sync_weights(trainers, engines, args.colocate)
+        sync_bytes, probe_gap = sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ---- log ----
@@ -648,6 +663,7 @@ def main(args: Args):
             **train_metrics(results, args),
             **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
             "perf/sync_bytes": sync_bytes,
+            "perf/sync_probe_gap": probe_gap,  # trainer vs engines on a probe text
             **sampled,  # DAPO (dynamic-sampling)
         }
         end_step(step + 1, metrics, batch, texts, rewards)
@@ -743,6 +759,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     pairs = args.engine_tp == 1 and args.num_engines == args.num_trainers  # engine i: rank i's GPU
     shared = args.num_trainers if pairs else None
     use_gpu, args.colocate = placement.choose_layout(apart, shared, args.colocate)
+    args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     if use_gpu and (args.engine_memory or 0) > 1:
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     return use_gpu, resume
@@ -826,7 +843,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
         backend=backend, lora=lora.engine_lora(args),
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
         use_gpu=use_gpu, sleep_mode=args.colocate,
-        memory=memory.engine_memory(args) if use_gpu else 1.0,
+        memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
     )  # fmt: skip
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     call(trainers, "init_weight_sync", engines, backend, addr, port)

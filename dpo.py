@@ -29,12 +29,12 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import ray
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
@@ -44,6 +44,7 @@ from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
+from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
 from common.tracking import Run
 
@@ -99,6 +100,9 @@ class Args:
     --sp-size)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
+    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     beta: Annotated[float, "> 0"] = 0.1
@@ -142,26 +146,26 @@ class Args:
 
 # ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
 def load_policy(
-    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None
+    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None, dtype="auto"
 ) -> torch.nn.Module:
     """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
     head).
 
     The model is built on the meta device and sharded before any weight exists; then rank 0 reads
     the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
-    weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16 below
+    compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
     With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
     the sharding and trained alone (common/lora.py), read from `path` on --resume.
     """
     base = adapters.base if adapters else path
-    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device))
+    compute = compute_dtype(device, dtype)  # fp32 on CPU
+    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device, compute))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adapters:
-        adapters.add(model, device)
-    mp = MixedPrecisionPolicy()  # fp32 on CPU
-    if device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        adapters.add(model, compute)  # the frozen base in the compute dtype
+    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -342,11 +346,13 @@ class Trainer:
         torch.manual_seed(args.seed)
         # --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
         adapters = lora.adapters(args, ref_path, model_path)
-        self.model = load_policy(model_path, self.device, args.gradient_checkpointing, adapters)
+        self.model = load_policy(
+            model_path, self.device, args.gradient_checkpointing, adapters, args.dtype
+        )
         if adapters:  # π_ref: the policy with its adapters off, no second copy
             self.ref = lora.Disabled(self.model)
         else:  # π_ref: the start model, also on --resume (model_path is then the checkpoint)
-            self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False)
+            self.ref = load_policy(ref_path, self.device, False, dtype=args.dtype)
             self.ref.eval().requires_grad_(False)
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         self.sp = sp_groups(world, args.sp_size)
@@ -356,6 +362,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
         lr, decay = args.learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
+        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
 
     def pair_losses(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch
@@ -379,7 +386,7 @@ class Trainer:
             loss = losses.sum() * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
             # the mean over the global batch's pairs; FSDP averages over ranks: undo it. SP: each
             # rank gets the gradient of its own tokens
-            (loss * self.world_size / num_pairs).backward()
+            self.loss_scale.backward(loss * self.world_size / num_pairs)
             for key, value in pair_stats(losses.detach(), rewards).items():
                 stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
         grad_norm = self.optimizer_step(step)
@@ -407,9 +414,15 @@ class Trainer:
 
     def optimizer_step(self, step: int) -> float:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. Returns the norm."""
+        every rank before the update, so the weights are never NaN. float16: the gradients are
+        unscaled first, and an overflow skips the update and lowers the loss scale (common/
+        precision.py). Returns the norm (0 for a skipped update)."""
+        self.loss_scale.unscale(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if self.loss_scale.skip(grad_norm, step):
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(
                 f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
@@ -553,6 +566,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
         tracking.check_output_dir(args.output_dir)
     tracking.check_tracking(args.track)
     use_gpu = placement.choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are enough
+    args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     return use_gpu, resume
 
 

@@ -30,11 +30,11 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import ray
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import AutoModelForSequenceClassification as AutoScoreModel  # critic, reward
 
@@ -48,6 +48,7 @@ from common.lm_head import token_logprobs
 from common.memory import to_device, to_host
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call, wait_all
+from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
 from common.rewards import call_reward
 from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
 from common.tracking import Run
@@ -125,6 +126,9 @@ class Args:
     (default 1)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
+    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     samples_per_prompt: Annotated[int, ">= 1"] = 2
@@ -190,26 +194,26 @@ class Args:
 
 # ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
 def load_policy(
-    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None
+    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None, dtype="auto"
 ) -> torch.nn.Module:
     """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
     head).
 
     The model is built on the meta device and sharded before any weight exists; then rank 0 reads
     the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
-    weights stay fp32; on GPU the forward/backward run in bf16 and gradients are reduced in fp32.
+    weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16 below
+    compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
     With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
     the sharding and trained alone (common/lora.py), read from `path` on --resume.
     """
     base = adapters.base if adapters else path
-    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device))
+    compute = compute_dtype(device, dtype)  # fp32 on CPU
+    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device, compute))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adapters:
-        adapters.add(model, device)
-    mp = MixedPrecisionPolicy()  # fp32 on CPU
-    if device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        adapters.add(model, compute)  # the frozen base in the compute dtype
+    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -249,7 +253,7 @@ def reward_fn(response: str, answer: str) -> float:
 
 # ALGO LOGIC: the critic, the per-token reward, GAE, whitening, the two losses and the adaptive β.
 def load_critic(
-    path: str, device: torch.device, gradient_checkpointing: bool, pad_token_id: int, adapters=None
+    path: str, device, gradient_checkpointing: bool, pad_token_id: int, adapters=None, dtype="auto"
 ):
     """V_φ: a sequence classifier with one label (rm.py's class), its head read at every token.
 
@@ -259,16 +263,15 @@ def load_critic(
     own frozen copy of the base, the head trained whole.
     """
     base = adapters.base if adapters else path
-    model = empty_model(AutoScoreModel, base, attn_implementation(device), num_labels=1)
+    compute = compute_dtype(device, dtype)  # fp32 on CPU
+    model = empty_model(AutoScoreModel, base, attn_implementation(device, compute), num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adapters:
-        adapters.add(model, device)
-    mp = MixedPrecisionPolicy()  # fp32 on CPU
-    if device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        adapters.add(model, compute)  # the frozen base in the compute dtype
+    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -549,9 +552,15 @@ class ShardedModel:
 
     def optimizer_step(self, step: int) -> float:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. Returns the norm."""
+        every rank before the update, so the weights are never NaN. float16: the gradients are
+        unscaled first, and an overflow skips the update and lowers the loss scale (common/
+        precision.py). Returns the norm (0 for a skipped update)."""
+        self.loss_scale.unscale(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if self.loss_scale.skip(grad_norm, step):
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(
                 f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
@@ -577,11 +586,13 @@ class Trainer(ShardedModel):
         torch.manual_seed(args.seed)
         # --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
         adapters = lora.adapters(args, ref_path, model_path)
-        self.model = load_policy(model_path, self.device, args.gradient_checkpointing, adapters)
+        self.model = load_policy(
+            model_path, self.device, args.gradient_checkpointing, adapters, args.dtype
+        )
         if adapters:  # π_ref: the policy with its adapters off, no second copy
             self.ref = lora.Disabled(self.model)
         else:  # π_ref: the start model, also on --resume (model_path is then the checkpoint)
-            self.ref = load_policy(ref_path, self.device, gradient_checkpointing=False)
+            self.ref = load_policy(ref_path, self.device, False, dtype=args.dtype)
             self.ref.eval().requires_grad_(False)
         self.sp = sp_groups(world, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data
         for model in (self.model, self.ref):
@@ -590,9 +601,10 @@ class Trainer(ShardedModel):
         params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
         lr, decay = args.learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
+        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the engines'
+        dtype = compute_dtype(self.device, self.args.dtype)  # the engines'
         sender, tp, merge = (
             (self.rank, (addr, port)),
             self.args.engine_tp,
@@ -605,8 +617,9 @@ class Trainer(ShardedModel):
     def push_weights(self) -> int:
         return self.weight_sync.push()  # the bytes each engine received
 
-    def check_weights(self):
-        self.weight_sync.check()  # the engines serve what was pushed, or the run stops naming one
+    def check_weights(self) -> float | None:
+        # the engines serve what was pushed, or the run stops naming one; rank 0 returns the gap
+        return self.weight_sync.check()
 
     @torch.no_grad()
     def forward(self, minibatches: list[list[dict]]) -> list[dict]:
@@ -642,7 +655,8 @@ class Trainer(ShardedModel):
                     # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
                     real = mb["loss_scale"].item()
                     loss = loss * mb["loss_scale"]
-                    (loss * self.world_size).backward()  # FSDP averages over ranks: undo it
+                    # FSDP averages over ranks: undo it; float16: × the loss scale S
+                    self.loss_scale.backward(loss * self.world_size)
                     stats["policy_loss"] += loss.item()
                     stats["tokens"] += len(logprobs) * real
                     for key, value in token_stats.items():
@@ -668,12 +682,13 @@ class Critic(ShardedModel):
         # with --lora-rank: its own adapters on its own frozen base (base_path), the head whole
         adapters = lora.adapters(args, base_path, model_path, whole=("score",))
         gc = args.gradient_checkpointing
-        self.model = load_critic(model_path, self.device, gc, pad, adapters)
+        self.model = load_critic(model_path, self.device, gc, pad, adapters, args.dtype)
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)
         params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters + head
         lr, decay = args.critic_learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
+        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
         self.on_gpu(False)
 
     def on_gpu(self, needed: bool):
@@ -715,7 +730,7 @@ class Critic(ShardedModel):
                     predicted = compute_values(self.model, *inputs)
                     loss, token_stats = compute_critic_loss(predicted, response_values(mb), args)
                     loss = loss * mb["loss_scale"]  # 0 for a filler micro-batch
-                    (loss * self.world_size).backward()
+                    self.loss_scale.backward(loss * self.world_size)
                     stats["value_loss"] += loss.item()
                     for key, value in token_stats.items():
                         stats[key] += value.item() * mb["loss_scale"].item()
@@ -729,11 +744,11 @@ class Critic(ShardedModel):
 # TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's head at the last real token).
 @ray.remote
 class RewardModel:
-    def __init__(self, path: str, offload: bool):
+    def __init__(self, path: str, offload: bool, dtype: str = "auto"):
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         torch.set_num_threads(os.cpu_count() or 1)  # Ray gives a num_cpus=1 actor one thread
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        model = AutoScoreModel.from_pretrained(path, num_labels=1, dtype=dtype)
+        compute = compute_dtype(self.device, dtype)  # the run's (--dtype), fp32 on CPU
+        model = AutoScoreModel.from_pretrained(path, num_labels=1, dtype=compute)
         # offload: the hybrid engine is short of memory, so the model is on the GPU only to score
         self.model, self.offload = model.eval(), offload
         self.model.to("cpu" if offload else self.device)
@@ -847,7 +862,7 @@ def main(args: Args):
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
-        sync_bytes = sync_weights(trainers, engines, args.colocate)
+        sync_bytes, probe_gap = sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ALGO LOGIC: adapt β toward the target KL per response (Ziegler et al. 2019)
@@ -867,6 +882,7 @@ def main(args: Args):
             **engine_metrics(responses, logprobs, mask),
             **time_metrics(times, sum(lengths), trained),
             "perf/sync_bytes": sync_bytes,
+            "perf/sync_probe_gap": probe_gap,  # trainer vs engines on a probe text
         }
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
@@ -1010,6 +1026,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     same = args.engine_tp == 1 and args.num_engines == args.num_critics == args.num_trainers
     shared = args.num_trainers if same else None
     use_gpu, args.colocate = placement.choose_layout(apart, shared, args.colocate)
+    args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     if use_gpu and (args.engine_memory or 0) > 1:
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     return use_gpu, resume
@@ -1111,7 +1128,9 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
     reward_model = None
     if rm:
         options = layout.reward_model.options(pg)
-        reward_model = RewardModel.options(**options).remote(paths["reward_model"], offload)
+        reward_model = RewardModel.options(**options).remote(
+            paths["reward_model"], offload, args.dtype
+        )
         placement.wait_started([reward_model])
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
@@ -1119,7 +1138,7 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
         seed=args.seed, backend=backend, lora=lora.engine_lora(args),
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
         use_gpu=use_gpu, sleep_mode=args.colocate,
-        memory=memory.engine_memory(args) if use_gpu else 1.0,
+        memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
     )  # fmt: skip
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     call(trainers, "init_weight_sync", engines, backend, addr, port)

@@ -25,12 +25,12 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import ray
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
@@ -39,6 +39,7 @@ from common import checkpoint, data, lora, memory, models, placement, ring_attn,
 from common.errors import InputError, check_ranges, parse_args
 from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
+from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
 from common.tracking import Run
 
@@ -91,6 +92,9 @@ class Args:
     --sp-size)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
+    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     margin: Annotated[float, ">= 0"] = 0.0
@@ -130,7 +134,7 @@ class Args:
 
 # ALGO LOGIC: the reward model, where it reads the reward, and the Bradley-Terry loss.
 def load_reward_model(
-    path: str, device, gradient_checkpointing: bool, pad_token_id: int, adapters=None
+    path: str, device, gradient_checkpointing: bool, pad_token_id: int, adapters=None, dtype="auto"
 ):
     """A causal LM (or an earlier reward model) as a sequence classifier with one label, sharded
     like load_policy.
@@ -141,16 +145,15 @@ def load_reward_model(
     base, trained with the whole head (common/lora.py), read from `path` on --resume.
     """
     auto, base = AutoModelForSequenceClassification, adapters.base if adapters else path
-    model = empty_model(auto, base, attn_implementation(device), num_labels=1)
+    compute = compute_dtype(device, dtype)  # fp32 on CPU
+    model = empty_model(auto, base, attn_implementation(device, compute), num_labels=1)
     if model.config.pad_token_id is None:  # HF's own scoring needs it to find a row's last token
         model.config.pad_token_id = pad_token_id
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adapters:
-        adapters.add(model, device)
-    mp = MixedPrecisionPolicy()  # fp32 on CPU
-    if device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        adapters.add(model, compute)  # the frozen base in the compute dtype
+    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -269,13 +272,14 @@ class Trainer:
         # with --lora-rank: adapters on the frozen start model (base_path) and a trained head
         adapters = lora.adapters(args, base_path, model_path, whole=("score",))
         gc = args.gradient_checkpointing
-        self.model = load_reward_model(model_path, self.device, gc, pad, adapters)
+        self.model = load_reward_model(model_path, self.device, gc, pad, adapters, args.dtype)
         # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
         self.sp = sp_groups(world, args.sp_size)
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters + head
         lr, decay = args.learning_rate, args.weight_decay
         self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
+        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
 
     def pair_rewards(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(P,) chosen rewards, rejected rewards and margins of one packed micro-batch of pairs."""
@@ -302,7 +306,7 @@ class Trainer:
             loss, pair_stats = compute_loss(*self.pair_rewards(mb))
             loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
             # the mean over the global batch's pairs; FSDP averages over ranks: undo it
-            (loss * self.world_size / num_pairs).backward()
+            self.loss_scale.backward(loss * self.world_size / num_pairs)
             stats["loss_sum"] += loss.item()
             for key, value in pair_stats.items():
                 stats[key] += value.item() * mb["loss_scale"].item()
@@ -326,9 +330,15 @@ class Trainer:
 
     def optimizer_step(self, step: int) -> float:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. Returns the norm."""
+        every rank before the update, so the weights are never NaN. float16: the gradients are
+        unscaled first, and an overflow skips the update and lowers the loss scale (common/
+        precision.py). Returns the norm (0 for a skipped update)."""
+        self.loss_scale.unscale(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if self.loss_scale.skip(grad_norm, step):
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(
                 f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
@@ -449,6 +459,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
         tracking.check_output_dir(args.output_dir)
     tracking.check_tracking(args.track)
     use_gpu = placement.choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are enough
+    args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     return use_gpu, resume
 
 

@@ -23,12 +23,12 @@ class AsyncEngine:
     old weights is kept: no re-prefill, but the new tokens attend to old-weight keys and values."""
 
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
-                 keep_old_kv=False, lora=None):  # fmt: skip
+                 keep_old_kv=False, lora=None, dtype="auto"):  # fmt: skip
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         assert not sleep_mode, "AsyncEngine never sleeps: it generates while the trainers train"
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora)
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
         self.adapter = Adapter() if lora else None
         # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output task joins.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))

@@ -9,6 +9,7 @@ for little gain."""
 
 import atexit
 import logging
+import math
 import os
 import random
 import shutil
@@ -16,6 +17,8 @@ import tempfile
 
 import ray
 
+from common.errors import InputError
+from common.memory import GiB, engine_memory, shape_of
 from common.placement import Slot, wait_all, wait_started
 
 # vLLM's warnings reach the terminal (a setting it overrode, a kernel it fell back from), less the
@@ -31,6 +34,7 @@ CPU_ENV = {
     **QUIET,
 }
 GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET}
+KV_BLOCK = 128  # tokens: vLLM's CPU KV cache comes in blocks of this many
 
 
 class KnownWarnings(logging.Filter):
@@ -52,13 +56,17 @@ class KnownWarnings(logging.Filter):
         return not any(text in record.getMessage() for text in self.TEXTS)
 
 
-def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None) -> dict:
+def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None, dtype="auto"):
     """vLLM's arguments, the same for both engines; called in the engine's actor. `lora`
-    (common/lora.py's engine_lora): LoRA enabled for one adapter of that rank and those targets."""
+    (common/lora.py's engine_lora): LoRA enabled for one adapter of that rank and those targets.
+    `dtype`: the run's (--dtype as the driver chose it; float32 on CPU), checked on this GPU."""
     import torch
     from vllm.config import WeightTransferConfig
 
+    from common.precision import compute_dtype
+
     on_gpu = torch.cuda.is_available()
+    dtype = compute_dtype(torch.device("cuda" if on_gpu else "cpu"), dtype)
     if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it later
         torch.set_num_threads(os.cpu_count() or 1)
     cpu = {
@@ -77,7 +85,7 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None)
     return dict(
         model=model_path,
         seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded
-        dtype="bfloat16" if on_gpu else "float32",
+        dtype=dtype,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
         max_model_len=max_model_len,
@@ -96,12 +104,13 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None)
 @ray.remote
 class Engine:
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
-                 lora=None):  # fmt: skip
+                 lora=None, dtype="auto"):  # fmt: skip
         """`memory`: the GPU's fraction for weights + KV cache on GPU, GiB of KV cache on CPU.
-        `lora`: the engine serves the base model plus the trainers' LoRA adapters (load_adapter)."""
+        `lora`: the engine serves the base model plus the trainers' LoRA adapters (load_adapter).
+        `dtype`: the run's compute dtype (common/precision.py)."""
         from vllm import LLM
 
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora)
+        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
         self.llm = LLM(**args, enable_sleep_mode=sleep_mode, use_tqdm_on_load=False)
         self.version, self.adapter = 0, Adapter() if lora else None
 
@@ -220,6 +229,25 @@ def alive(pid: int) -> bool:
     except OSError as e:  # PermissionError: another user's process
         return not isinstance(e, ProcessLookupError)
     return True
+
+
+def check_kv_cache(args, policy: str) -> None:
+    """CPU: each engine's KV cache (--engine-memory GiB, fp32) holds one prompt + response of the
+    model (vLLM refuses to start otherwise), and the engines' caches fit in this machine's RAM."""
+    if not getattr(args, "num_engines", 0):
+        return
+    shape, longest = shape_of(policy), args.max_prompt_length + args.max_response_length
+    blocks = math.ceil(longest / KV_BLOCK) + 1  # vLLM keeps one block empty
+    need = 2 * shape.layers * shape.kv * 4 * KV_BLOCK * blocks / GiB  # K and V of every layer
+    size, here = engine_memory(args, False), 1 if "RAY_ADDRESS" in os.environ else args.num_engines
+    if size < need:
+        raise InputError(f"--engine-memory {size:g} GiB of KV cache cannot hold one prompt + "
+                         f"response ({longest} tokens) of this model: give it at least "
+                         f"{math.ceil(need * 100) / 100:g}")  # fmt: skip
+    if here * size * GiB > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        each = f" for each of {here} engines" if here > 1 else ""
+        raise InputError(f"--engine-memory {size:g} GiB of KV cache{each} is more than this "
+                         "machine's RAM")  # fmt: skip
 
 
 def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:

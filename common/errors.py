@@ -96,7 +96,13 @@ def parse_args(args_cls, argv: list[str] | None = None):
 
 
 def _check_number(flag: str, kind, value: str) -> None:
-    """A flag's value parses as the int or float its type says (or None where it may be None)."""
+    """A flag's value parses as the int or float its type says (or None where it may be None), or is
+    one of its choices (Literal)."""
+    if typing.get_origin(kind) is typing.Literal:
+        if value not in typing.get_args(kind):
+            choices = ", ".join(typing.get_args(kind))
+            raise InputError(f"{flag} takes one of {choices} (got {value!r})")
+        return
     types = typing.get_args(kind) or (kind,)
     if value == "None" and type(None) in types:
         return

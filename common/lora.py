@@ -89,10 +89,9 @@ class Adapters:
     resume: str | None = None
     whole: tuple[str, ...] = ()
 
-    def add(self, model, device) -> None:
+    def add(self, model, dtype) -> None:
         """Inject the adapters into `model` (meta device, before FSDP2 shards it) and freeze the
-        rest; on GPU the frozen base is kept in bf16 (no fp32 master copy of frozen weights)."""
-        import torch
+        rest, kept in the compute `dtype` (bf16 or fp16 on GPU: no fp32 copy of frozen weights)."""
         from peft import inject_adapter_in_model
 
         inject_adapter_in_model(copy.deepcopy(self.config), model, low_cpu_mem_usage=True)
@@ -100,8 +99,8 @@ class Adapters:
         model.peft_config["default"].modules_to_save = list(self.whole) or None
         for name, param in model.named_parameters():  # trained: the adapters, a whole head
             param.requires_grad_(".lora_" in name or name.split(".")[0] in self.whole)
-            if device.type == "cuda" and not param.requires_grad:
-                param.data = param.data.to(torch.bfloat16)
+            if not param.requires_grad:
+                param.data = param.data.to(dtype)
 
     def fill(self, source) -> None:
         """Rank 0's full copy (common/models.py's load_weights): the same adapters, initialised as

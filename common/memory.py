@@ -2,20 +2,22 @@
 flags, computed before anything starts: a run that cannot fit stops in a second with the numbers.
 Per parameter a trainer rank holds fp32 weights (4 B), gradients (4 B, freed after each optimizer
 step) and AdamW's two moments (8 B), sharded over the trainer ranks by FSDP2; a frozen reference
-holds fp32 weights (4 B). While it computes, a rank also holds bf16 copies of two decoder layers (in
-use, and prefetched by FSDP2) and of the root (embeddings, LM head), their gradients, the
-activations autograd keeps and the LM head's chunk (common/lm_head.py). A vLLM engine takes its
---engine-memory share of the GPU; colocated, it sleeps while the trainers train. A reward model is
-bf16, whole; every process adds a CUDA context. With LoRA (--lora-rank) a trained model is a frozen
-bf16 base (2 B per parameter) plus its adapters' 16 B, and π_ref is that base. The figures are lower
-bounds of what the code allocates: a plan that fits is never refused (docs/cluster.md's tables)."""
+holds fp32 weights (4 B). While it computes, a rank also holds copies in the compute dtype (2 B,
+float32 4 B: common/precision.py) of two decoder layers (in use, and prefetched by FSDP2) and of the
+root, their gradients, the activations autograd keeps and the LM head's chunk (lm_head.py). An
+engine takes its --engine-memory share, asleep while colocated trainers train; a reward model is
+whole; every process adds a CUDA context. With LoRA a trained model is a frozen base in the compute
+dtype plus 16 B per adapter parameter, and π_ref is that base. The figures are lower bounds of what
+the code allocates: a plan that fits is never refused (docs/cluster.md)."""
 
 import copy
 import os
-import subprocess
 from dataclasses import dataclass, replace
 
+import torch
+
 from common.errors import InputError
+from common.precision import BYTES, SHORT, first_gpu
 
 GiB = 2**30
 CONTEXT = 0.5 * GiB  # per process using a GPU: the CUDA context and allocators' state (estimate)
@@ -42,11 +44,9 @@ def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
     device: exact counts for any architecture, no memory used. head "lm": causal LM; "score":
     one-label classifier (critic, reward model). `lora`: (rank, target module names) of its
     adapters, r (in + out) parameters per adapted linear layer; a score head trains whole."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if isinstance(config, str):
-        config = AutoConfig.from_pretrained(config)
+    config = AutoConfig.from_pretrained(config) if isinstance(config, str) else config
     if head != "lm":
         config = copy.deepcopy(config)
         config.num_labels = 1
@@ -90,28 +90,30 @@ class Job:
     critics: int = 0
     reward_model: Shape | None = None
     offload: bool = False  # colocated ppo.py: critic and reward model wait in host RAM when idle
+    dtype: str = "bfloat16"  # the compute dtype (--dtype as chosen): 2 B per value, float32 4 B
 
 
-def activations(s: Shape, tokens: int, checkpointing: bool) -> float:
-    """Bytes autograd keeps for one micro-batch of `tokens` tokens (bf16): per layer at least its
-    input, the normed inputs, q/k/v, the attention output and the MLP's gate, up and their product;
-    with checkpointing only every layer's input, plus one layer recomputed at a time."""
-    per_layer = tokens * (6 * s.hidden + 2 * s.kv + 4 * s.intermediate) * 2
-    return s.layers * tokens * s.hidden * 2 + per_layer if checkpointing else s.layers * per_layer
+def activations(s: Shape, tokens: int, checkpointing: bool, b: int = 2) -> float:
+    """Bytes autograd keeps for one micro-batch of `tokens` tokens (`b` B per value): per layer at
+    least its input, the normed inputs, q/k/v, the attention output and the MLP's gate, up and their
+    product; with checkpointing only every layer's input, plus one layer recomputed at a time."""
+    per_layer = tokens * (6 * s.hidden + 2 * s.kv + 4 * s.intermediate) * b
+    return s.layers * tokens * s.hidden * b + per_layer if checkpointing else s.layers * per_layer
 
 
-def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: float) -> tuple:
+def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype: str) -> tuple:
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
+    b, short = BYTES[dtype], SHORT[dtype]  # the compute dtype's bytes per value, its short name
     idle = {"weights + AdamW": 12 * s.params / ranks}  # the gradients are freed after each step
     busy = {"weights + grads + AdamW": 16 * s.params / ranks}
-    if s.adapters:  # LoRA: a frozen bf16 base; the adapters (and head) train in fp32
-        base = {"frozen bf16 base": 2 * s.params / ranks}
+    if s.adapters:  # LoRA: a frozen base in the compute dtype; the adapters (and head) in fp32
+        base = {f"frozen {short} base": b * s.params / ranks}
         idle = {**base, "adapters + AdamW": 12 * s.adapters / ranks}
         busy = {**base, "adapters + grads + AdamW": 16 * s.adapters / ranks}
     busy = {
         **busy,
-        "gathered bf16 layers": 2 * (1 + (not s.adapters)) * (2 * s.layer + s.root),  # + grads
-        "activations": activations(s, tokens, checkpointing),
+        f"gathered {short} layers": b * (1 + (not s.adapters)) * (2 * s.layer + s.root),  # + grads
+        "activations": activations(s, tokens, ckpt, b),
     }
     if lm_head:  # the chunk's logits, probabilities and their gradient; the head's fp32 gradient
         busy["LM head"] = lm_head * HEAD_CHUNK_BYTES + (not s.adapters) * 4 * s.vocab * s.hidden
@@ -120,15 +122,15 @@ def trainer(s: Shape, ranks: int, tokens: int, checkpointing: bool, lm_head: flo
 
 def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
     """(GPU, phase, {part: bytes}) for each kind of GPU of the job and each phase of its peak."""
-    tokens = job.tokens // job.sp
-    idle, busy = trainer(job.policy, job.trainers, tokens, job.checkpointing, job.lm_head)
+    tokens, ckpt = job.tokens // job.sp, job.checkpointing
+    idle, busy = trainer(job.policy, job.trainers, tokens, ckpt, job.lm_head, job.dtype)
     ref = {"reference": 4 * job.policy.params / job.trainers} if job.reference else {}
     engine = {"vLLM (weights + KV cache)": job.engine_memory * capacity} if job.engines else {}
     critic_idle, critic_busy = {}, {}
     if job.critic is not None:
-        parts = trainer(job.critic, job.critics, tokens, job.checkpointing, lm_head=0)
+        parts = trainer(job.critic, job.critics, tokens, ckpt, 0, job.dtype)
         critic_idle, critic_busy = ({f"critic {k}": v for k, v in p.items()} for p in parts)
-    rm = {"reward model": 2 * job.reward_model.params} if job.reward_model is not None else {}
+    rm = {"reward model": BYTES[job.dtype] * job.reward_model.params} if job.reward_model else {}
 
     if not job.colocate:
         ctx = {"CUDA contexts": CONTEXT}
@@ -160,8 +162,8 @@ def peak(job: Job, capacity: float) -> tuple[str, str, dict, float]:
 
 
 def engine_weights_fit(job: Job, capacity: float) -> bool:
-    """vLLM holds the model's bf16 weights (over --engine-tp GPUs) in its share, with KV room."""
-    weights = 2 * job.policy.params / job.engine_tp
+    """vLLM holds the model's weights (over --engine-tp GPUs) in its share, with KV room."""
+    weights = BYTES[job.dtype] * job.policy.params / job.engine_tp
     return not job.engines or weights < 0.9 * job.engine_memory * capacity
 
 
@@ -200,13 +202,8 @@ def gpu_capacity() -> float | None:
     starts no CUDA here), or None when neither is known (a driver without a GPU on a cluster)."""
     if os.environ.get("POSTTRAIN_GPU_MEMORY_GIB"):
         return float(os.environ["POSTTRAIN_GPU_MEMORY_GIB"]) * GiB
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"  # index or UUID
-    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
-        return float(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
+    total = first_gpu("memory.total")  # MiB
+    return float(total[0]) * 2**20 if total and total[0].isdigit() else None
 
 
 def describe(row: tuple, capacity: float | None) -> str:
@@ -229,10 +226,10 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
     if job.colocate and (job.critic or job.reward_model) and not fits(job, capacity):
         job = offloaded if fits(offloaded, capacity) else job
     if not engine_weights_fit(job, capacity):
-        need = 2 * job.policy.params / job.engine_tp / GiB
-        raise InputError(f"memory plan: the engine's bf16 weights ({need:.1f} GiB per GPU) do not "
-                         f"fit --engine-memory {job.engine_memory:g} of {capacity / GiB:.0f} GiB "
-                         "with room for a KV cache: raise --engine-memory"
+        need, short = BYTES[job.dtype] * job.policy.params / job.engine_tp / GiB, SHORT[job.dtype]
+        raise InputError(f"memory plan: the engine's {short} weights ({need:.1f} GiB per GPU) do "
+                         f"not fit --engine-memory {job.engine_memory:g} of "
+                         f"{capacity / GiB:.0f} GiB with room for a KV cache: raise --engine-memory"
                          + ("" if job.colocate else " or --engine-tp"))  # fmt: skip
     worst = peak(job, capacity)
     if worst[3] > capacity:
@@ -248,8 +245,11 @@ def check_run(
 ) -> bool:
     """On GPU, plan a script's run (`policy` etc. are model folders), print the plan's line, refuse
     it if it cannot fit; return whether idle models are offloaded. `reference`: the trainers hold a
-    frozen copy of the policy (default: when the script has --kl-coef > 0)."""
+    frozen copy of the policy (default: when the script has --kl-coef > 0). CPU: check_kv_cache."""
     if not use_gpu:
+        from common.engines import check_kv_cache  # CPU: the engines' memory is their KV cache
+
+        check_kv_cache(args, policy)
         return False
     reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
     chunks = (head == "lm") * (6.5 if getattr(args, "top_p", 1) < 1 else 3)  # the LM head's
@@ -265,6 +265,7 @@ def check_run(
             colocate=getattr(args, "colocate", False), critics=getattr(args, "num_critics", 0),
             critic=shape_of(critic, "score", (rank, targets)) if critic else None,
             reward_model=shape_of(reward_model, "score") if reward_model else None,
+            dtype=args.dtype if args.dtype in BYTES else "bfloat16",  # "auto": 2 B, as bf16
         )  # fmt: skip
 
     rank = getattr(args, "lora_rank", 0)  # without LoRA, say whether rank-16 adapters would fit
@@ -273,26 +274,25 @@ def check_run(
     return job.offload
 
 
-def engine_memory(args) -> float:
-    """The engines' --engine-memory on GPU: as given, else 0.85 of their own GPU, 0.4 colocated."""
+def engine_memory(args, use_gpu: bool = True) -> float:
+    """The engines' --engine-memory: on GPU the fraction of their GPU (default 0.85, 0.4
+    colocated), on CPU GiB of KV cache (default 1)."""
     if not hasattr(args, "num_engines"):
         return 0.0
-    return args.engine_memory or (0.4 if getattr(args, "colocate", False) else 0.85)
+    default = (0.4 if getattr(args, "colocate", False) else 0.85) if use_gpu else 1.0
+    return args.engine_memory or default
 
 
 def to_host(model, optimizer=None) -> None:
     """Move a model (FSDP2 shards too: its `.to` keeps them registered) and its optimizer's state to
     host RAM, and give the freed GPU memory back: a colocated model waits while another works."""
-    import torch
-
     to_device(model, optimizer, "cpu")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def to_device(model, optimizer, device) -> None:
-    """Back from host RAM (to_host) to `device`, with the optimizer's state tensors (AdamW's step
-    counter stays: a CPU scalar)."""
+    """Back from host RAM to `device`, with the optimizer's state (AdamW's step: a CPU scalar)."""
     model.to(device)
     for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():

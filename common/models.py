@@ -87,13 +87,16 @@ def _convert_gguf(src: str, dest: str) -> None:
     os.rename(tmp, dest)  # atomic: a half-written folder is never seen as the model
 
 
-def attn_implementation(device) -> str:
-    """flash-attn 2 where it runs (installed, CUDA, Ampere or newer GPUs), else SDPA."""
+def attn_implementation(device, dtype) -> str:
+    """flash-attn 2 where it runs (installed, CUDA, Ampere or newer GPUs, 16-bit), else SDPA."""
     import torch
 
     if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
         return "sdpa"
-    return "flash_attention_2" if torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
+    half = dtype in (torch.float16, torch.bfloat16)
+    return (
+        "flash_attention_2" if half and torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
+    )
 
 
 def empty_model(auto_cls, path: str, attn: str, **config_kwargs):

@@ -27,15 +27,17 @@ from common.ring_attn import RING, enable_ring_attention
 
 PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over the lazy dog."
 # Mean |log p_trainer - log p_engine| allowed on the probe's tokens, by the dtype both compute in.
-# CPU (fp32): ~1e-6 measured. bf16 kernels differ by a few 1e-2; a stale or unloaded layer, by nats.
-PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+# CPU (fp32): ~1e-6 measured. bf16/fp16 kernels are expected to differ by a few 1e-2 (not measured
+# yet: every push logs the gap as perf/sync_probe_gap; docs/errors.md says how to set these from
+# it); a stale or unloaded layer differs by nats.
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
 
 
-def sync_weights(trainers: list, engines: list, colocated: bool) -> int:
+def sync_weights(trainers: list, engines: list, colocated: bool) -> tuple[int, float]:
     """The driver's one call after each optimizer step: the trainers' weights into the engines,
     checked. Colocated, the engines wake their weights' memory first and their KV cache after (the
     IPC copies are freed in between); the check needs them awake. Returns the bytes sent to each
-    engine."""
+    engine and the probe's gap (WeightSync.check)."""
     if colocated:
         call(engines, "wake_up", ["weights"])
     sent = call(trainers, "push_weights", watch=engines)  # an engine that dies in it: named
@@ -43,8 +45,8 @@ def sync_weights(trainers: list, engines: list, colocated: bool) -> int:
         for i, awake in enumerate(call(engines, "wake_up", ["kv_cache"])):
             if not awake:
                 raise RunError(f"{actor_name(engines[i])}#{i} is still asleep after its wake-up")
-    call(trainers, "check_weights", watch=engines)
-    return sent[0]
+    gap = call(trainers, "check_weights", watch=engines)[0]  # rank 0 compares
+    return sent[0], gap
 
 
 def choose_backend(use_gpu: bool, colocate: bool) -> str:
@@ -126,10 +128,11 @@ class WeightSync:
         return self.nbytes
 
     @torch.no_grad()
-    def check(self) -> None:
+    def check(self) -> float | None:
         """Every rank: the trainer's log-probabilities of the probe tokens (a forward, a collective
         under FSDP2); rank 0: every engine's, under the weights just pushed. Too far apart: an error
-        naming the engine."""
+        naming the engine. Returns, on rank 0, the gap: the largest over the engines of the mean
+        |log p_trainer - log p_engine| (None on the other ranks)."""
         # log p(token_i | tokens < i), i >= 1: a plain forward of one short row (no ring attention)
         ring = next((m.sp_group for m in self.model.modules() if hasattr(m, "sp_group")), None)
         training, _ = self.model.training, self.model.eval()  # no dropout (--lora-dropout)
@@ -144,10 +147,11 @@ class WeightSync:
                 enable_ring_attention(self.model, ring)
         mine = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
         if not self.transfer.is_sender:
-            return
-        client = self.transfer.client
+            return None
+        client, gap = self.transfer.client, 0.0
         for i, theirs in enumerate(client.prompt_logprobs(self.probe)):
             diff = (torch.tensor(theirs) - mine).abs().mean().item()
+            gap = max(gap, diff)
             if not diff <= self.tolerance:  # NaN fails too
                 name = f"{actor_name(client.engines[i])}#{i}"
                 raise RuntimeError(
@@ -155,6 +159,7 @@ class WeightSync:
                     f"probe text differ from the trainer's by {diff:.3g} on average (allowed "
                     f"{self.tolerance:g})"
                 )
+        return gap
 
 
 def init_weight_sync(

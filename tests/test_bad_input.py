@@ -98,6 +98,7 @@ def numeric_fields(module):
         (f.name, f.type)
         for f in dataclasses.fields(module.Args)
         if any(t in str(f.type) for t in ("int", "float"))
+        and "Literal" not in str(f.type)  # --dtype's choices: test_flags_that_do_not_parse
         and f.name != "max_tokens_per_micro_batch"
     ]
 
@@ -132,6 +133,11 @@ CASES = [  # (scripts, flags, what the line names)
     (RL, ["--num-engines", "0"], "--num-engines must be >= 1"),
     (RL, ["--top-p", "1.5"], "--top-p must be > 0, <= 1"),
     (RL, ["--reward-timeout", "0"], "--reward-timeout must be > 0"),
+    (SCRIPTS, ["--dtype", "float16"], "--dtype float16 needs a GPU: on CPU every model runs in"),
+    (SCRIPTS, ["--dtype", "bfloat16"], "--dtype bfloat16 needs a GPU"),
+    # CPU: --engine-memory is GiB of KV cache, which must hold one prompt + response, and fit RAM
+    (RL, ["--engine-memory", "1e-6"], "--engine-memory 1e-06 GiB of KV cache cannot hold one"),
+    (RL, ["--engine-memory", "1e5"], "--engine-memory 100000 GiB of KV cache is more than this"),
     (["ppo"], ["--num-critics", "0"], "--num-critics must be >= 1"),
     (["ppo"], ["--lam", "1.5"], "--lam must be >= 0, <= 1"),
     (
@@ -474,6 +480,7 @@ def test_flags_that_do_not_parse_get_one_line(name):
         (["--learning-rate", "abc"], "--learning-rate takes a number (got 'abc')"),
         (["--num-stepz", "3"], "no flag --num-stepz (did you mean --num-steps?)"),
         (["--seed"], "--seed needs a value"),
+        (["--dtype", "fp8"], "--dtype takes one of auto, bfloat16, float16, float32 (got 'fp8')"),
     ]
     for argv, expected in cases:
         with pytest.raises(SystemExit) as e:

@@ -87,8 +87,11 @@ def test_flash_attention_only_where_it_runs(monkeypatch, capability, installed, 
             (object() if installed else None) if name == "flash_attn" else real_find_spec(name, *a)
         ),
     )
-    assert common_model.attn_implementation(torch.device("cuda", 0)) == want
-    assert common_model.attn_implementation(torch.device("cpu")) == "sdpa"
+    cuda = torch.device("cuda", 0)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert common_model.attn_implementation(cuda, dtype) == want
+    assert common_model.attn_implementation(cuda, torch.float32) == "sdpa"  # flash-attn: 16-bit
+    assert common_model.attn_implementation(torch.device("cpu"), torch.float32) == "sdpa"
 
 
 def one_micro_batch(module, **per_token):
@@ -173,3 +176,71 @@ def test_gpu_check_has_its_steps_and_refuses_without_a_gpu(tmp_path):
         f"error: $PYTHON={fake} does not import the pinned stack: ModuleNotFoundError: No module "
         "named 'vllm'"
     ]
+
+
+def fake_repo_with_gpu(tmp_path, driver: str, cap: str | None, stack: str | None = None):
+    """A copy of the set-up script and the requirements files, and an nvidia-smi on PATH that lists
+    one GPU with this driver and compute capability (None: a driver too old to report it). `stack`:
+    a .venv installed from that requirements file already, whose python is this one (CPU torch)."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "scripts", "setup.sh"), repo / "scripts")
+    for req in ("requirements.txt", "requirements-cpu.txt"):
+        shutil.copy(os.path.join(REPO, req), repo)
+    if stack:
+        digest = subprocess.run(["sha256sum", repo / stack], capture_output=True, text=True)
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        (repo / ".venv" / f".installed-{digest.stdout[:16]}").touch()
+        (repo / ".venv" / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        (repo / ".venv" / "bin" / "python").chmod(0o755)
+    answers = {"name": "Tesla T4", "driver_version": driver, "compute_cap": cap}
+    cases = "".join(
+        f"  *--query-gpu={k}*) {'echo ' + repr(v) if v else 'echo Field is not valid >&2; exit 2'} ;;\n"
+        for k, v in answers.items()
+    )
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(f'#!/bin/sh\ncase "$*" in\n  -L) echo "GPU 0: Tesla T4" ;;\n{cases}esac\n')
+    smi.chmod(0o755)
+    return repo, dict(os.environ, PATH=f"{smi.parent}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize(
+    "driver,cap,stack,cpu,error",
+    [("535.104.05", "7.5", None, False, r"the NVIDIA driver here is 535\.104\.05; the pinned CUDA 13 "
+      r"build of torch and vLLM needs 580 or newer: update the driver, or use the CPU stack: "
+      r"POSTTRAIN_CPU=1 make demo \(or make test\)"),
+     ("470.82.01", None, None, False, r"the NVIDIA driver here is 470\.82\.01; .* needs 580"),
+     ("590.48.01", "7.0", None, False, r"the Tesla T4 \(compute capability 7\.0\) is older than the "
+      r"pinned CUDA 13 build of torch and vLLM supports .*POSTTRAIN_CPU=1 make demo"),
+     ("590.48.01", "7.5", "requirements.txt", False, r"torch 2\.13\.0\S* sees no GPU although "
+      r"nvidia-smi lists the Tesla T4 \(driver 590\.48\.01; the pinned CUDA 13 build needs 580 or "
+      r"newer\): check the driver and CUDA_VISIBLE_DEVICES, or use the CPU stack"),
+     ("535.104.05", "7.5", "requirements-cpu.txt", True, None)],
+    ids=["old-driver", "driver-without-compute-cap", "v100-class-gpu", "torch-sees-no-gpu",
+         "cpu-stack-on-request"],
+)  # fmt: skip
+def test_setup_stops_in_one_line_where_the_cuda_build_cannot_run(
+    tmp_path, driver, cap, stack, cpu, error
+):
+    """scripts/setup.sh on a GPU machine the pinned CUDA 13 build cannot use: a driver older than
+    580 (also one too old to report the compute capability), a GPU below compute capability 7.5,
+    or an installed CUDA stack whose torch sees no GPU: one line naming what was found, what is
+    needed, and POSTTRAIN_CPU=1; nothing installed. With POSTTRAIN_CPU=1 it takes the CPU stack
+    (here already installed: nothing to do)."""
+    repo, env = fake_repo_with_gpu(tmp_path, driver, cap, stack)
+    env |= {"POSTTRAIN_CPU": "1"} if cpu else {}
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    if error is None:
+        assert out.returncode == 0 and out.stdout == out.stderr == "", out.stderr
+        return
+    assert out.returncode == 1 and out.stdout == "", out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(f"error: {error}.*", lines[0]), lines
+    if stack:  # installed before: left as it was (the check runs again next time)
+        assert len([f for f in os.listdir(repo / ".venv") if f.startswith(".installed-")]) == 1
+    else:  # nothing installed
+        assert not (repo / ".venv").exists()

@@ -10,11 +10,13 @@ import torch
 from conftest import (
     TOLERANCE,
     assert_resume_is_exact,
+    logprob_gap,
     only_run_dir,
     parity_reward,
     read_jsonl,
     run_script,
 )
+from transformers import AutoModelForCausalLM
 
 import grpo
 from common.data import encode_prompt, split_for_ranks
@@ -201,26 +203,37 @@ def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(
 
 # GPU tier: the recommended one-GPU mode end to end, as the default flags pick it on one GPU and
 # with --colocate on two. The engine shares its trainer's GPU (each asks Ray for half of it), sleeps
-# while the trainer trains, and takes the weights by CUDA IPC. bf16 on both sides: the tolerance is
-# bf16's, and a missed weight update would still fail it (the learning rate moves the weights).
+# while the trainer trains, and takes the weights by CUDA IPC. The reward has signal (the parity of
+# the response's length: a random tiny model never solves the arithmetic task, and all-zero rewards
+# would train nothing), the weights move (gradient norms > 0, step_1 is far from the start model:
+# an engine left with stale weights would fail the check of steps 2 and 3), and the engines serve
+# the pushed weights (bf16 on both sides: bf16's tolerance).
 @pytest.mark.gpu
 @pytest.mark.parametrize("trainers", [1, 2], ids=["1gpu-default", "2gpu-colocate"])
-def test_grpo_colocated_on_gpu(trainers, tiny_model, tmp_path):
-    import torch
-
+def test_grpo_colocated_on_gpu(trainers, tiny_model, tokenizer, tmp_path):
     if torch.cuda.device_count() < trainers:
         pytest.skip(f"needs {trainers} GPUs")
-    extra = ("--num-steps", "3", "--learning-rate", "1e-3")
+    extra = ("--num-steps", "3", "--learning-rate", "1e-3", "--warmup-steps", "0", "--save-every",
+             "1", "--reward-fn", parity_reward(tmp_path))  # fmt: skip
     extra += ("--colocate", "--num-trainers", "2", "--num-engines", "2") if trainers == 2 else ()
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(trainers))}
-    result = run_script("grpo.py", *grpo_args(tiny_model, tmp_path, *extra), timeout=1800, env=env)
+    out = tmp_path / "runs"
+    result = run_script("grpo.py", *grpo_args(tiny_model, out, *extra), timeout=1800, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"layout: colocated on {trainers} GPU" in result.stdout
-    rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert "precision: bfloat16 compute" in result.stdout or "precision: float16" in result.stdout
+    run_dir = only_run_dir(out)
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert all(
-        r["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"] for r in rows[2:]
-    )  # by pushed weights
+    assert all(r["train/grad_norm"] > 0 and r["rollout/reward_std"] > 0 for r in rows[1:])
+    assert all(r["perf/sync_probe_gap"] <= 0.25 for r in rows[1:])  # measured at every push
+    start = AutoModelForCausalLM.from_pretrained(tiny_model)
+    step_1 = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_1"))
+    samples = [s for s in read_jsonl(os.path.join(run_dir, "samples.jsonl")) if s["step"] == 2]
+    stale = logprob_gap(start, step_1, tokenizer, samples)  # ~0.14 on CPU with these flags
+    assert stale > 5 * TOLERANCE["logprob_mean"], f"the weights barely moved: {stale:.3g}"
+    # steps 2 and 3 sampled from the weights pushed after steps 1 and 2, not from stale ones
+    assert all(r["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"] for r in rows[2:])
     assert rows[-1]["time/sync"] < 60
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import ray
 import torch
-from conftest import only_run_dir, parity_reward, read_jsonl, run_script
+from conftest import TOLERANCE, logprob_gap, only_run_dir, parity_reward, read_jsonl, run_script
 from test_grpo import grpo_args
 from test_weight_sync import sample_and_score
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -183,15 +183,15 @@ def test_sync_makes_the_engine_serve_the_trainers_adapters(ray_cpu, tiny_model, 
     prompts = [
         encode_prompt(tokenizer, [{"role": "user", "content": f"{a} + 3?"}]) for a in range(4)
     ]
-    trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 1.0)
+    trainer_lp, engine_lp, _ = sample_and_score(engines, trainers, prompts, 1.0)
     assert (trainer_lp - engine_lp).abs().max() < 1e-4
     for seed in (1, 2):
         call(trainers, "perturb", seed)
-        trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 1.0)
+        trainer_lp, engine_lp, _ = sample_and_score(engines, trainers, prompts, 1.0)
         assert (trainer_lp - engine_lp).abs().max() > 1e-3  # before the sync: the check can fail
         sent = call(trainers, "push")[0]
         call(trainers, "check")
-        trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 1.0)
+        trainer_lp, engine_lp, _ = sample_and_score(engines, trainers, prompts, 1.0)
         assert (trainer_lp - engine_lp).abs().max() < 1e-4
     adapters, base = call(trainers, "sizes")[0]
     assert sent == 4 * (base if merge else adapters)
@@ -262,33 +262,34 @@ def test_grpo_with_lora_end_to_end_and_exact_resume(tiny_model, tmp_path):
 
 # GPU tier (not run yet: no GPU was available when it was written). One GPU: the trainer and its
 # engine colocated, the engine asleep at level 1 while the trainer trains, the adapters loaded in
-# place after every step; bf16 on both sides, so bf16's tolerance; and the merged fallback over
-# CUDA IPC.
+# place after every step; and the merged fallback over CUDA IPC. The reward has signal (parity), the
+# adapters move far enough that an engine serving the base model, or stale adapters, fails the
+# check of steps 2 and 3 (bf16 on both sides, so bf16's tolerance), and only the adapters travel.
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", [False, True], ids=["adapter-only", "merged"])
-def test_grpo_with_lora_colocated_on_one_gpu(tiny_model, tmp_path, merge):
-    from conftest import TOLERANCE
+def test_grpo_with_lora_colocated_on_one_gpu(tiny_model, tokenizer, tmp_path, merge):
+    from peft import PeftModel
 
-    extra = (
-        "--num-steps",
-        "3",
-        "--learning-rate",
-        "1e-3",
-        "--lora-rank",
-        str(RANK),
-        "--kl-coef",
-        "0.1",
-    )
+    extra = ("--num-steps", "3", "--learning-rate", "3e-2", "--lora-rank", str(RANK), "--kl-coef",
+             "0.1", "--save-every", "1", "--reward-fn", parity_reward(tmp_path))  # fmt: skip
     extra += ("--lora-merge-sync",) if merge else ()
     env = {"CUDA_VISIBLE_DEVICES": "0"}
-    result = run_script("grpo.py", *grpo_args(tiny_model, tmp_path, *extra), timeout=1800, env=env)
+    out = tmp_path / "runs"
+    result = run_script("grpo.py", *grpo_args(tiny_model, out, *extra), timeout=1800, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "layout: colocated on 1 GPU" in result.stdout
-    rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    run_dir = only_run_dir(out)
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["train/grad_norm"] > 0 and r["perf/sync_probe_gap"] <= 0.25 for r in rows[1:])
+    adapter = os.path.join(run_dir, "checkpoints", "step_1", "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    step_1 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), adapter)
+    samples = [s for s in read_jsonl(os.path.join(run_dir, "samples.jsonl")) if s["step"] == 2]
+    moved = logprob_gap(base, step_1, tokenizer, samples)  # ~0.18 on CPU with these flags
+    assert moved > 5 * TOLERANCE["logprob_mean"], f"the adapters barely moved: {moved:.3g}"
     assert all(r["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"] for r in rows[2:])
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    full = 2 * sum(p.numel() for p in model.parameters())  # bf16
+    full = 2 * sum(p.numel() for p in base.parameters())  # bf16
     assert all((r["perf/sync_bytes"] < 0.02 * full) != merge for r in rows[1:])
 
 

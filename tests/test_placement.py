@@ -301,7 +301,8 @@ def test_what_each_script_picks_on_1_2_and_8_gpus(monkeypatch, capsys, tmp_path,
             continue
         capsys.readouterr()
         layout = script_layout(name, args, gpus, monkeypatch)
-        line = capsys.readouterr().out.strip()
+        out = capsys.readouterr().out  # the layout line, then the precision line
+        line = next(x for x in out.splitlines() if x.startswith("layout: "))
         assert getattr(args, "colocate", False) is picks[gpus], name
         if picks[gpus]:
             assert (

@@ -11,11 +11,13 @@ import torch
 from conftest import (
     TOLERANCE,
     assert_resume_is_exact,
+    logprob_gap,
     only_run_dir,
     parity_reward,
     read_jsonl,
     run_script,
 )
+from transformers import AutoModelForCausalLM
 
 import ppo
 
@@ -180,8 +182,10 @@ def test_ppo_end_to_end_with_verifier_resumes_exactly(verifier_run):
     assert_resume_is_exact("ppo.py", flags, run_dir)
 
 
-@pytest.mark.engine  # on one GPU: the hybrid engine, reward model included
-def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory, tokenizer):
+    """A random 1-layer reward model whose scores spread over a few units (its head × 100), so that
+    scoring the wrong token, or the wrong text, is far outside bf16's noise."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(0)
@@ -189,18 +193,46 @@ def test_ppo_with_reward_model(tiny_model, tokenizer, tmp_path):
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    rm_dir = tmp_path / "rm"
-    LlamaForSequenceClassification(config).save_pretrained(rm_dir)
-    tokenizer.save_pretrained(rm_dir)
-    out = tmp_path / "runs"
-    result = run_script(
-        "ppo.py", *ppo_args(tiny_model, out, "--num-steps", "1", "--reward-model", str(rm_dir))
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.mul_(100)
+    path = tmp_path_factory.mktemp("rm") / "rm"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def assert_rewards_are_the_models(run_dir, reward_model, tokenizer):
+    """Every logged sample's reward is the reward model's score of its prompt + response (rm.py's
+    input, the head at the last token), recomputed here in fp32; and the scores differ between
+    samples by far more than the tolerance (a wrong token or text would show)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model, num_labels=1)
+    samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
+    logged, want = [], []
+    for s in samples:
+        ids = torch.tensor([ppo.reward_model_input(tokenizer, s["prompt"], s["response"])])
+        with torch.no_grad():
+            want.append(model.score(model.base_model(input_ids=ids).last_hidden_state[0, -1]))
+        logged.append(s["reward"])
+    logged, want = torch.tensor(logged), torch.cat(want)
+    assert (logged - want).abs().max() <= TOLERANCE["score"] * (1 + want.abs().max()), (
+        logged,
+        want,
     )
+    assert want.std() > 3 * TOLERANCE["score"] * (1 + want.abs().max())
+
+
+@pytest.mark.engine  # on one GPU: the hybrid engine, reward model included
+def test_ppo_with_reward_model(tiny_model, tokenizer, reward_model, tmp_path):
+    out = tmp_path / "runs"
+    flags = ppo_args(tiny_model, out, "--num-steps", "1", "--reward-model", reward_model)
+    result = run_script("ppo.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(os.path.join(only_run_dir(out), "metrics.jsonl"))
-    # a random reward model gives real-valued scores, not the verifier's 0/1
-    samples = read_jsonl(os.path.join(only_run_dir(out), "samples.jsonl"))
-    assert any(s["reward"] not in (0.0, 1.0) for s in samples) and rows[-1]["step"] == 1
+    assert rows[-1]["step"] == 1 and rows[-1]["train/grad_norm"] > 0
+    assert_rewards_are_the_models(only_run_dir(out), reward_model, tokenizer)
 
 
 @pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
@@ -234,20 +266,12 @@ def test_sp2_matches_one_rank(verifier_run, tiny_model, tmp_path):
 
 # GPU tier: the hybrid engine on one GPU, chosen by default there: policy + reference, critic,
 # reward model and the engine share GPU 0 (CUDA IPC weight sync, vLLM asleep while the models
-# train). bf16 on both sides.
+# train). bf16 on both sides. The policy moves far enough that an engine left with stale weights
+# fails step 2's check, and the rewards are the reward model's.
 @pytest.mark.gpu
-def test_ppo_hybrid_on_one_gpu(tiny_model, tokenizer, tmp_path):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-    tokenizer.save_pretrained(tmp_path / "rm")
-    flags = ppo_args(
-        tiny_model, tmp_path / "runs", "--num-steps", "2", "--reward-model", str(tmp_path / "rm")
-    )
+def test_ppo_hybrid_on_one_gpu(tiny_model, tokenizer, reward_model, tmp_path):
+    flags = ppo_args(tiny_model, tmp_path / "runs", "--num-steps", "2", "--reward-model", reward_model,
+                     "--learning-rate", "1e-3", "--warmup-steps", "0", "--save-every", "1")  # fmt: skip
     result = run_script("ppo.py", *flags, timeout=1800, env={"CUDA_VISIBLE_DEVICES": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
@@ -255,11 +279,17 @@ def test_ppo_hybrid_on_one_gpu(tiny_model, tokenizer, tmp_path):
         in result.stdout
     )
     assert re.search(r"^memory plan: GPU 0 .*: fits", result.stdout, re.M), result.stdout[-2000:]
-    rows = read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))
+    run_dir = only_run_dir(tmp_path / "runs")
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert (
-        rows[2]["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"]
-    )  # sampled by the weights pushed at step 1
+    assert all(r["train/grad_norm"] > 0 and r["perf/sync_probe_gap"] <= 0.25 for r in rows[1:])
+    start = AutoModelForCausalLM.from_pretrained(tiny_model)
+    step_1 = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_1"))
+    samples = [s for s in read_jsonl(os.path.join(run_dir, "samples.jsonl")) if s["step"] == 2]
+    stale = logprob_gap(start, step_1, tokenizer, samples)  # ~0.15 on CPU with these flags
+    assert stale > 5 * TOLERANCE["logprob_mean"], f"the policy barely moved: {stale:.3g}"
+    assert rows[2]["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"]  # pushed after step 1
+    assert_rewards_are_the_models(run_dir, reward_model, tokenizer)
 
 
 def test_policy_and_critic_losses_by_hand():

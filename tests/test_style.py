@@ -12,15 +12,18 @@ from conftest import REPO
 
 SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
 # About 5 % above the sizes at 100-column lines: growth past them is a decision, not drift.
-# LoRA raised each by its five flags and the adapters' loading (ppo.py: the critic's too).
+# LoRA raised each by its five flags and the adapters' loading (ppo.py: the critic's too); --dtype
+# (float16 on GPUs below compute capability 8.0: its flag, the loss scale in the backward pass and
+# the optimizer step) and the probe gap logged at every push by up to 15 more. STYLE.md's targets
+# (420 / 600 / 850) are the trainer shell's move to common/, next.
 BUDGET = {
-    "sft.py": 535,
-    "rm.py": 525,
-    "dpo.py": 630,
-    "grpo.py": 800,
-    "ppo.py": 1135,  # + loss_weights (ALGO block), whole checkpoints, --no-save-final, LoRA
-    "dapo.py": 845,
-    "grpo_async.py": 875,
+    "sft.py": 545,
+    "rm.py": 530,
+    "dpo.py": 640,
+    "grpo.py": 815,
+    "ppo.py": 1150,  # + loss_weights (ALGO block), whole checkpoints, --no-save-final, LoRA
+    "dapo.py": 855,
+    "grpo_async.py": 890,
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
@@ -97,7 +100,9 @@ def test_common_stays_small():
     # of a call, checked token versions), with nothing left to cut that would not cost clarity.
     # LoRA added common/lora.py (~255 lines: PEFT under FSDP2, π_ref as the base, PEFT folders,
     # merged weights) and ~180 in the engines, the weight sync, checkpoints and the memory plan.
-    assert total <= 3200, f"common/ has {total} lines"
+    # On 2026-11-27 STYLE.md set the cap at 3,500 for the trainer shell's move to common/; the
+    # compute dtype (common/precision.py: float16 for T4-class GPUs, loss scaling) came first.
+    assert total <= 3500, f"common/ has {total} lines"
 
 
 @pytest.mark.parametrize("script", PRESENT)

@@ -21,6 +21,7 @@ from common.placement import (
     rendezvous_address,
     spawn_trainers,
 )
+from common.precision import compute_dtype
 from common.weight_sync import init_weight_sync
 
 
@@ -33,9 +34,7 @@ class SyncTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def init_sync(self, engines, backend, addr, port):
-        dtype = (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        )  # the engines' dtype
+        dtype = compute_dtype(self.device)  # the engines' (bf16 on GPU from compute capability 8.0)
         self.sync = init_weight_sync(
             self.model, self.tokenizer, engines, backend, self.rank, (addr, port), 1, dtype
         )
@@ -51,7 +50,7 @@ class SyncTrainer:
         self.sync.push()
 
     def check(self):
-        self.sync.check()
+        return self.sync.check()
 
     def leave_out(self, name: str | None):
         """From now on the pushes skip the weight `name` (None: send everything again), like a
@@ -88,7 +87,7 @@ class SyncTrainer:
 
 def sample_and_score(engines, trainers, prompts, temperature):
     """Engine samples + its logprobs, and the trainers' logprobs of the same tokens (same packing
-    order)."""
+    order); the sequences too, to score them again."""
     outs = ray.get(engines[0].generate.remote(prompts, 2, temperature, 1.0, 8))
     seqs, engine_lp = [], []
     for p, samples in zip(prompts, outs):
@@ -102,7 +101,7 @@ def sample_and_score(engines, trainers, prompts, temperature):
     )  # pack() sorts longest first
     assert len(pack(seqs, 4096)) == 1
     trainer_lp = call(trainers, "logprobs", seqs, temperature)[0]
-    return trainer_lp, torch.cat([engine_lp[i] for i in order])
+    return trainer_lp, torch.cat([engine_lp[i] for i in order]), seqs
 
 
 @pytest.mark.cpu_engine(
@@ -198,24 +197,25 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
             encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 3?"}])
             for a in range(4)
         ]
-        trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 0.8)
-        assert (trainer_lp - engine_lp).abs().mean() < TOLERANCE[
-            "logprob_mean"
-        ]  # bf16 on both sides
+        trainer_lp, engine_lp, seqs = sample_and_score(engines, trainers, prompts, 0.8)
+        assert (trainer_lp - engine_lp).abs().mean() < TOLERANCE["logprob_mean"]  # bf16 both
 
         if colocate:
             call(
                 engines, "sleep"
             )  # as in training: the engine frees the GPU while the trainer updates
         call(trainers, "perturb", 0.05)
+        # the check below can fail: on the engine's samples, the changed trainer is far off
+        stale = call(trainers, "logprobs", seqs, 0.8)[0]
+        assert (stale - engine_lp).abs().mean() > 5 * TOLERANCE["logprob_mean"]
         if colocate:
             call(engines, "wake_up", ["weights"])
         call(trainers, "push")
         if colocate:
             call(engines, "wake_up", ["kv_cache"])
-        call(trainers, "check")  # the probe, at bf16's tolerance
+        assert call(trainers, "check")[0] <= 0.25  # the probe, at bf16's tolerance: its gap
         assert ray.get(engines[0].get_version.remote()) == 1
-        trainer_lp, engine_lp = sample_and_score(engines, trainers, prompts, 0.8)
+        trainer_lp, engine_lp, _ = sample_and_score(engines, trainers, prompts, 0.8)
         assert (trainer_lp - engine_lp).abs().mean() < TOLERANCE["logprob_mean"]
 
         # an update that leaves a weight out is refused by the engine (vLLM's own nccl/ipc backends,
