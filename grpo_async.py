@@ -612,6 +612,7 @@ def main(args: Args):
         run.log(0, first, console)
     run.start_progress(args.num_steps, resume_step)
     rollouts = Rollouts(engines, prompts["train"], resume_step, args, (reward_function, model_path))
+    rollouts.idle = trainers  # watched while the driver waits for rollouts: one that dies is named
     before, phases = rollouts.engine_stats(), []  # ASYNC: phases (start, data, trained, synced)
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
@@ -712,6 +713,7 @@ class Rollouts:
         self.start = start  # the engines label their weights from 0
         self.sent = start * self.B  # groups sent: the stream's position
         self.queue = []  # (prompt, group, scores, engine and worker k) in the order sent
+        self.idle = []  # actors to watch while take() waits (the trainers)
         self.fill(start)
 
     def fill(self, version: int):
@@ -733,8 +735,9 @@ class Rollouts:
         """The step's B groups (batch, outs) with their texts and (B*G,) rewards, waited for in the
         order sent. Versions become step numbers here; is_stale would mean a broken lag bound."""
         taken, self.queue = self.queue[: self.B], self.queue[self.B :]
-        outs = wait_all([t[1] for t in taken], [f"AsyncEngine#{t[3]}" for t in taken], "generate")
-        scored = wait_all([t[2] for t in taken], [f"RewardWorker#{t[3]}" for t in taken], "score")
+        names = [f"AsyncEngine#{t[3]}" for t in taken], [f"RewardWorker#{t[3]}" for t in taken]
+        outs = wait_all([t[1] for t in taken], names[0], "generate", watch=self.idle)
+        scored = wait_all([t[2] for t in taken], names[1], "score", watch=self.idle)
         texts, rewards = [t for s in scored for t in s[0]], [r for s in scored for r in s[1]]
         for (group,) in outs:  # one prompt per call
             for s in group:
@@ -884,5 +887,6 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     return trainers, engines
 
 
-if __name__ == "__main__":
-    main(parse_args(Args))
+if __name__ == "__main__":  # ASYNC: a flag of grpo.py not here says why
+    why = {"--colocate": "its engines generate while the trainers train, never asleep by turns"}
+    main(parse_args(Args, not_here=why))

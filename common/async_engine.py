@@ -13,14 +13,12 @@ from common.engines import Adapter, engine_args
 
 @ray.remote
 class AsyncEngine:
-    """Engine's constructor and methods, all async: Ray runs them concurrently, so a weight update
-    is served while `generate` calls are in flight (AsyncLLM runs vLLM's engine core in a child
-    process). An update pauses the scheduler between two steps, keeping the running requests
-    (`mode="keep"`): the layers are reloaded in place, so decoding them mid-update would fail. Then,
-    by default, every running request is preempted and its prompt + tokens so far are prefilled
-    again with the new weights: the tokens after the update are sampled by exactly the new policy
-    (what the trainer can recompute). With `keep_old_kv` (PipelineRL), the KV cache computed by the
-    old weights is kept: no re-prefill, but the new tokens attend to old-weight keys and values."""
+    """Engine with async methods: Ray runs them concurrently, so a weight update is served while
+    `generate` calls are in flight (AsyncLLM runs vLLM's engine core in a child process). An update
+    pauses the scheduler between two steps, keeping the running requests (`mode="keep"`: the layers
+    are reloaded in place, so decoding them mid-update would fail); by default they are then
+    preempted and prefilled again: the tokens after it come from exactly the new policy.
+    `keep_old_kv` (PipelineRL): no re-prefill; new tokens attend to old-weight keys and values."""
 
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
                  keep_old_kv=False, lora=None, dtype="auto"):  # fmt: skip
@@ -55,9 +53,8 @@ class AsyncEngine:
                 token_ids += c.token_ids
                 logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
                 self.stats["tokens"] += len(c.token_ids)
-            versions = token_versions(len(token_ids), c.weight_versions)
             return dict(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason,
-                        versions=versions)  # fmt: skip
+                        versions=token_versions(len(token_ids), c.weight_versions))  # fmt: skip
 
         if self.requests == 0:  # the engine had nothing to do since idle_since
             self._interval("idle", self.idle_since)
@@ -95,16 +92,14 @@ class AsyncEngine:
         await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     async def finish_weight_update(self, version: int):
-        # labels the tokens sampled from now on
-        await self.llm.finish_weight_update(weight_version=str(version))
+        await self.llm.finish_weight_update(weight_version=str(version))  # labels the next tokens
         self.version = version
         await self.llm.resume_generation()
         self._interval("paused", self.paused_at)
 
     async def load_adapter(self, tensors: dict, config: dict, version: int):
-        """Adapter-only sync (--lora-rank), in flight as a weight update: pause between two steps,
-        load the new adapters in place (the running requests carry their id), label the tokens
-        sampled from now on, resume. Engine.load_adapter has the rest."""
+        """Adapter-only sync (--lora-rank) in flight, as a weight update: the new adapters load in
+        place between two decoding steps (the running requests carry their id)."""
         self.paused_at = time.time()
         await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
         self.adapter.write(tensors, config)
@@ -151,9 +146,8 @@ def token_versions(num_tokens: int, spans) -> list[int]:
     `version`; "default": the first, 0). A token without a span is not guessed: the run stops."""
     versions = [None] * num_tokens
     for span in spans or []:
-        versions[span.start : span.end] = [int(span.version.replace("default", "0"))] * (
-            span.end - span.start
-        )
+        version = int(span.version.replace("default", "0"))
+        versions[span.start : span.end] = [version] * (span.end - span.start)
     if None in versions:
         labelled = num_tokens - versions.count(None)
         raise RuntimeError(f"vLLM gave a weight version to {labelled} of {num_tokens} sampled "

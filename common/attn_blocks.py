@@ -6,9 +6,8 @@
 q (Tq, H, D), k/v (Tk, Hkv, D), Hkv dividing H (GQA). cu None: every query sees every key; cu a list
 of boundaries [0, ..., Tq] (Tq == Tk): causal inside each segment (packed sequences; flash-attn's
 cu_seqlens). TorchBlocks: fp32 scores, any device (what the CPU tests run). FlashBlocks: flash-attn
-2's varlen kernels on CUDA for fp16/bf16 with flash-attn >= 2.7, through its private
-_flash_attn_varlen_forward/_backward: the public function cannot take back the *global* log-sum-exp
-a ring's backward needs."""
+2.7+ varlen kernels on CUDA for fp16/bf16, through its private _flash_attn_varlen_forward/_backward:
+the public function cannot take back the *global* log-sum-exp a ring's backward needs."""
 
 import functools
 

@@ -6,13 +6,14 @@ too."""
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import shutil
 import zipfile
 
-from common import lora
+from common import lifetime, lora
 from common.errors import InputError, RunError
 from common.models import check_weights, whole_file
 from common.tracking import check_output_dir, lock_run_dir, write_json
@@ -65,7 +66,8 @@ def load_optimizer(model, optimizer, path: str) -> None:
 def staged(path: str, step: int):
     """Write a checkpoint (every part of it: policy, critic, optimizer, script state) into a hidden
     folder beside `path`, then publish it with one rename: a kill at any moment leaves `path` whole
-    or absent, never in parts. A failure removes the partial folder (and names a full disk)."""
+    or absent, never in parts. A failure (a signal too) removes the partial folder once every
+    process of the run has ended, so no trainer still writes into it (and names a full disk)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -84,12 +86,12 @@ def staged(path: str, step: int):
         shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         free = shutil.disk_usage(tmp).free if os.path.isdir(tmp) else None
-        shutil.rmtree(tmp, ignore_errors=True)
+        lifetime.after_end(lambda: shutil.rmtree(tmp, ignore_errors=True))
         full = "No space left" in str(e) or (free is not None and free < 64 * 2**20)
         if full and not isinstance(e, KeyboardInterrupt):
             where = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.dirname(path))))
             raise RunError(f"no space left on the device to save {where} ({free / 2**20:.0f} MiB "
-                           "free): the partial checkpoint was removed; the newest whole one stays "
+                           "free): the partial checkpoint is removed; the newest whole one stays "
                            "resumable") from None  # fmt: skip
         raise
 
@@ -121,6 +123,48 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
     return run_dir, checkpoint, step
 
 
+def keep_run_settings(args, given: set[str], script: str) -> None:
+    """--resume: a flag the resume does not give keeps the value the run's own command lines gave
+    it (config.json's argv, then each config.resume_N.json's up to the step), so a resume goes on
+    as the run went (--save-every, --num-steps, LoRA); what it changes is printed (lists: sets)."""
+    try:
+        run_dir, _, step = find_checkpoint(args.resume)
+        found = [re.fullmatch(r"config\.resume_(\d+)\.json", n) for n in os.listdir(run_dir)]
+        steps = sorted(int(m[1]) for m in found if m and int(m[1]) <= step)
+        names = ["config.json"] + [f"config.resume_{n}.json" for n in steps]
+        configs = [json.load(open(os.path.join(run_dir, name))) for name in names]
+    except (InputError, OSError, ValueError):
+        return
+    if configs[0].get("script") not in (None, script):
+        return
+    saved = configs[-1].get("args", {})
+    kept = set().union(*(flag_names(config.get("argv", [])[1:]) for config in configs))
+    fields = {f.name for f in dataclasses.fields(args)} - {"resume", "output_dir"}  # the run's dir
+    kept = sorted(kept & fields & set(saved) - given)
+    for name in kept:
+        setattr(args, name, saved[name])
+    norm = lambda v: set(map(str.strip, v.split(","))) if isinstance(v, str) else v  # noqa: E731
+    was = lambda n: shown(n, saved[n]) if isinstance(saved[n], bool) else saved[n]  # noqa: E731
+    now = {n: getattr(args, n) for n in sorted(given & fields & set(saved))}
+    changed = [f"{shown(n, v)} (was {was(n)})" for n, v in now.items() if norm(v) != norm(saved[n])]
+    if kept:
+        print("resume: keeps the run's own " + ", ".join(shown(n, saved[n]) for n in kept))
+    if changed:
+        print("resume: changes " + ", ".join(changed))
+
+
+def shown(name: str, value) -> str:
+    """A flag as a command line gives it: --lr 0.001, --no-save-final."""
+    flag = name.replace("_", "-")
+    return f"--{'' if value else 'no-'}{flag}" if isinstance(value, bool) else f"--{flag} {value}"
+
+
+def flag_names(argv: list[str]) -> set[str]:
+    """The Args fields a command line gives (--no-x: x)."""
+    names = {a.partition("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
+    return {n[3:] if n.startswith("no_") else n for n in names}
+
+
 def check_lora_flags(saved: dict, args) -> None:
     """A LoRA run resumes with the same adapters (shape, scale), a full fine-tuning run without."""
     rank = saved.get("lora_rank", 0) or 0
@@ -130,10 +174,10 @@ def check_lora_flags(saved: dict, args) -> None:
         raise InputError(f"--resume: the run {what}")
     if not rank:
         return
-    was = argparse.Namespace(**saved)
+    was, modules = argparse.Namespace(**saved), lambda a: ",".join(sorted(set(lora.targets(a))))
     for flag, theirs, mine in (
         ("--lora-alpha", f"{lora.alpha(was):g}", f"{lora.alpha(args):g}"),
-        ("--lora-target-modules", ",".join(lora.targets(was)), ",".join(lora.targets(args))),
+        ("--lora-target-modules", modules(was), modules(args)),  # a set: in any order
     ):
         if theirs != mine:
             raise InputError(f"--resume: the run was made with {flag} {theirs}, not {mine}")

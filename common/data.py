@@ -18,12 +18,12 @@ NO_TEMPLATE = ("the model's tokenizer has no chat template, and the data has mes
                "plain-text columns (sft.py and dpo.py: also --accuracy-dataset '', whose prompts "
                "are messages) or a model with a chat template")  # fmt: skip
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own fields, not values
 
 
 def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
-    """Rows of a local .jsonl/.json/.parquet file or folder, or of a hub dataset `name[:config]`.
-    Relative paths are tried against the working directory, then the repo root (where data/ lives).
-    Returns the rows and where they came from, for error messages."""
+    """Rows of a local .jsonl/.json/.parquet file or folder, or of a hub dataset `name[:config]`,
+    and where they came from. Relative paths: the working directory, then the repo root (data/)."""
     for path in (spec, os.path.join(REPO_ROOT, spec)):
         if os.path.exists(path):
             return _load_local(path, split), path
@@ -120,8 +120,7 @@ def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tu
 
 
 def check_pairs(rows: list[dict], source: str) -> None:
-    """Preference pairs (rm.py, dpo.py): two different, non-empty responses; an empty or tied pair
-    teaches nothing (or noise)."""
+    """Preference pairs (rm.py, dpo.py): two different, non-empty responses (ties teach nothing)."""
 
     def text(value):
         return "".join(str(m["content"]) for m in as_messages(value, "assistant")).strip()
@@ -173,10 +172,9 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[int]]:
     """Token ids of prompt + completion, and a 0/1 mask that is 1 exactly on the completion tokens.
-    Strings are plain text, the completion followed by EOS. Message lists go through the chat
-    template, and the mask covers every assistant turn as the template writes it after the
-    generation prompt, end-of-turn token included (so the model learns to stop). `completion=None`
-    means `prompt` is a whole conversation."""
+    Strings: plain text, the completion followed by EOS. Message lists go through the chat template;
+    the mask covers each assistant turn as written after the generation prompt, end-of-turn token
+    included (so the model learns to stop). `completion=None`: `prompt` is a whole conversation."""
     if isinstance(prompt, str) and isinstance(completion, str):
         ids = tokenizer(prompt).input_ids
         done = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
@@ -206,11 +204,10 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
 
 
 def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """First-fit packing, longest first, into padding-free rows of at most `max_tokens` tokens.
-    Each sequence is a dict of equal-length per-token lists, one of them "input_ids". A row
-    concatenates whole sequences; its "position_ids" restart at 0 at every sequence start, which is
-    how the attention kernels (SDPA via a block mask, flash-attn varlen) keep sequences from
-    attending to each other. Returns dicts of (1, T) tensors, the same keys plus "position_ids"."""
+    """First-fit packing, longest first, into padding-free rows of at most `max_tokens` tokens. A
+    sequence is a dict of equal-length per-token lists, one of them "input_ids". A row's
+    "position_ids" restart at 0 at every sequence start: how the attention kernels (SDPA via a block
+    mask, flash-attn varlen) keep sequences apart. Returns dicts of (1, T) tensors."""
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"]))
     rows, room = [], []  # the sequences of each row, and the tokens left in it
     for i in order:
@@ -225,13 +222,8 @@ def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]
         rows[j].append(i)
         room[j] -= n
     seqs = [{**s, "position_ids": range(len(s["input_ids"]))} for s in sequences]
-    return [
-        {key: torch.tensor([v for i in row for v in seqs[i][key]])[None] for key in seqs[0]}
-        for row in rows
-    ]
-
-
-STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own fields, not values
+    return [{key: torch.tensor([v for i in row for v in seqs[i][key]])[None] for key in seqs[0]}
+            for row in rows]  # fmt: skip
 
 
 def check_batch(batch: int, available: int, flag: str, source: str, what: str) -> None:
@@ -242,9 +234,8 @@ def check_batch(batch: int, available: int, flag: str, source: str, what: str) -
 
 
 def response_values(mb: dict, *names: str) -> dict:
-    """The per-token values of a packed micro-batch at its response tokens (where loss_mask is 1,
-    the positions compute_logprobs returns): {name: (N,)} for every (1, T) field but the row's own
-    fields, or for `names` only."""
+    """Per-token values of a packed micro-batch at its response tokens (loss_mask 1, as
+    compute_logprobs returns): {name: (N,)} for `names`, else every (1, T) field but STRUCTURE."""
     m = mb["loss_mask"][0].bool()
     keys = names or [k for k, v in mb.items() if k not in STRUCTURE and v.dim() == 2]
     return {k: mb[k][0, m] for k in keys}
@@ -254,8 +245,7 @@ def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> 
     """Deal sequences to data-parallel ranks (balanced by tokens) and pack each rank's share.
     FSDP runs collectives in every forward and backward, so all ranks must run the same number of
     micro-batches: a rank with fewer repeats its last one with "loss_scale" 0 (no gradient)."""
-    shares: list[list[dict]] = [[] for _ in range(world_size)]
-    loads = [0] * world_size
+    shares, loads = [[] for _ in range(world_size)], [0] * world_size
     for seq in sorted(sequences, key=lambda s: -len(s["input_ids"])):
         r = loads.index(min(loads))
         shares[r].append(seq)

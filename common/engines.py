@@ -1,11 +1,10 @@
 """vLLM generation engines as Ray actors: create, generate, sleep/wake, and the weight-update calls.
 
 Each engine is one `vllm.LLM` inside a Ray actor (in-process; with tensor parallelism > 1 its worker
-processes are children of the actor). The driver sends token ids and gets back token ids and the
-sampling log-probabilities, temperature-processed: what the trainer recomputes for importance
-sampling. CPU (measured, see docs): the in-process engine avoids shared-memory queues; OMP's core
-binding would fight the colocated trainers; CUDA graphs and torch.compile cost a minute of start-up
-for little gain."""
+processes are children of the actor). The driver sends token ids and gets back token ids and their
+temperature-processed sampling log-probabilities (what the trainer recomputes). CPU (measured, see
+docs): the in-process engine avoids shared-memory queues; OMP's core binding would fight the
+colocated trainers; CUDA graphs and torch.compile cost a minute of start-up for little gain."""
 
 import atexit
 import logging
@@ -18,8 +17,10 @@ import tempfile
 import ray
 
 from common.errors import InputError
+from common.lora import VLLM_RANKS, write_adapter
 from common.memory import GiB, engine_memory, shape_of
 from common.placement import Slot, wait_all, wait_started
+from common.precision import compute_dtype
 
 # vLLM's warnings reach the terminal (a setting it overrode, a kernel it fell back from), less the
 # KnownWarnings; its info lines do not. To see them:
@@ -38,10 +39,9 @@ KV_BLOCK = 128  # tokens: vLLM's CPU KV cache comes in blocks of this many
 
 
 class KnownWarnings(logging.Filter):
-    """vLLM warnings that say nothing to a user of these scripts, dropped (vllm_logging.json uses
-    this filter): settings made on purpose here (a seeded engine, eager mode, whole CPU prefills,
-    LoRA adapters saved without a tokenizer), CPU hints, and the layer-reload warning that
-    vllm_worker.Whole makes precise (and fatal)."""
+    """vLLM warnings dropped as noise (vllm_logging.json uses this filter): settings made on purpose
+    (a seeded engine, eager mode, whole CPU prefills, LoRA adapters saved without a tokenizer), CPU
+    hints, and the layer-reload warning, which vllm_worker.Whole makes fatal."""
 
     TEXTS = (
         "Failed to load weights", "The global random seed is set",
@@ -57,57 +57,43 @@ class KnownWarnings(logging.Filter):
 
 
 def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None, dtype="auto"):
-    """vLLM's arguments, the same for both engines; called in the engine's actor. `lora`
-    (common/lora.py's engine_lora): LoRA enabled for one adapter of that rank and those targets.
-    `dtype`: the run's (--dtype as the driver chose it; float32 on CPU), checked on this GPU."""
+    """vLLM's arguments for both engines, built in the engine's actor. `lora` (lora.engine_lora's):
+    one adapter of that rank and targets. `dtype`: the run's, checked on this GPU."""
     import torch
     from vllm.config import WeightTransferConfig
-
-    from common.precision import compute_dtype
 
     on_gpu = torch.cuda.is_available()
     dtype = compute_dtype(torch.device("cuda" if on_gpu else "cpu"), dtype)
     if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it later
         torch.set_num_threads(os.cpu_count() or 1)
-    cpu = {
-        "kv_cache_memory_bytes": int(memory * 2**30),
-        # A prefill split over two steps rewinds the request's seeded generator, which a CPU
-        # generator cannot do (vLLM crashes): whole prompts only, a budget that fits many (default).
-        "enable_chunked_prefill": False,
-        "max_num_batched_tokens": max(8192, max_model_len),
-    }
+    # CPU: a prefill split over two steps rewinds the request's seeded generator, which a CPU
+    # generator cannot do (vLLM crashes): whole prompts only, a budget that fits many (default).
+    cpu = {"kv_cache_memory_bytes": int(memory * 2**30), "enable_chunked_prefill": False,
+           "max_num_batched_tokens": max(8192, max_model_len)}  # fmt: skip
     if lora:  # one adapter, the policy's; no LoRA buffers on modules it does not adapt (lm_head)
-        from common.lora import VLLM_RANKS
-
         rank = next(r for r in VLLM_RANKS if r >= lora["rank"])  # the next size vLLM allows
         lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank,
                     lora_target_modules=lora["targets"])  # fmt: skip
     return dict(
-        model=model_path,
+        model=model_path, dtype=dtype, max_model_len=max_model_len,
         seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded
-        dtype=dtype,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else None,
-        max_model_len=max_model_len,
+        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
         # POSTTRAIN_EAGER=1 (tests, smoke checks): no CUDA-graph capture, minutes less per start
         enforce_eager=not on_gpu or os.environ.get("POSTTRAIN_EAGER") == "1",
-        logprobs_mode="processed_logprobs",
-        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
         # Imported in every worker process: registers the checked-* backends (whole updates only)
         weight_transfer_config=WeightTransferConfig(backend=f"checked-{backend}"),
         worker_extension_cls="common.vllm_worker.WorkerExtension",
-        **({"gpu_memory_utilization": memory} if on_gpu else cpu),
-        **(lora or {}),
-    )
+        **({"gpu_memory_utilization": memory} if on_gpu else cpu), **(lora or {}),
+    )  # fmt: skip
 
 
 @ray.remote
 class Engine:
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
                  lora=None, dtype="auto"):  # fmt: skip
-        """`memory`: the GPU's fraction for weights + KV cache on GPU, GiB of KV cache on CPU.
-        `lora`: the engine serves the base model plus the trainers' LoRA adapters (load_adapter).
-        `dtype`: the run's compute dtype (common/precision.py)."""
+        """`memory`: on GPU the fraction for weights + KV cache, on CPU GiB of KV cache. `lora`:
+        serve the trainers' LoRA adapters too (load_adapter). `dtype`: the run's compute dtype."""
         from vllm import LLM
 
         args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
@@ -117,10 +103,9 @@ class Engine:
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
         """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts).
-
-        With `seeds` (one per prompt), sample j of prompt i is a request of its own seeded
-        seeds[i] + j: the same tokens whatever else is in the batch and whichever engine runs it,
-        which makes --resume exact. (One request with n samples and a seed crashes vLLM on CPU.)"""
+        With `seeds` (one per prompt), sample j of prompt i is a request of its own, seeded
+        `seeds[i] + j`: its tokens depend on neither the batch nor the engine (--resume is exact).
+        One request with n samples and a seed crashes vLLM on CPU."""
         from vllm import SamplingParams, TokensPrompt
 
         base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
@@ -200,18 +185,18 @@ class Adapter:
     NAME, ID = "policy", 1
 
     def __init__(self):
+        import psutil  # a dependency of vLLM
+
         tmp = tempfile.gettempdir()
         for name in os.listdir(tmp):  # the folders of engines that are gone (Ray kills actors)
             pid = name.split("-")[2] if name.startswith("posttrain-adapter-") else ""
-            if pid.isdigit() and not alive(int(pid)):
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
                 shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
         self.folder = tempfile.mkdtemp(prefix=f"posttrain-adapter-{os.getpid()}-")
         self.written = False
         atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
 
     def write(self, tensors: dict, config: dict) -> None:
-        from common.lora import write_adapter
-
         write_adapter(self.folder, tensors, config)
         self.written = True
 
@@ -221,14 +206,6 @@ class Adapter:
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(self.NAME, self.ID, self.folder, load_inplace=load_inplace)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:  # PermissionError: another user's process
-        return not isinstance(e, ProcessLookupError)
-    return True
 
 
 def check_kv_cache(args, policy: str) -> None:
@@ -258,9 +235,8 @@ def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
 
 def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: float, top_p: float,
              max_tokens: int, seed=None, draw: int | None = None) -> list:  # fmt: skip
-    """Deal the prompts round-robin to the engines, sample n responses each; results in prompt
-    order. With `draw` each prompt's samples are seeded (sample_seeds), so a resumed run samples
-    the tokens the uninterrupted run did. An engine that dies is named (wait_all)."""
+    """Deal the prompts round-robin to the engines, n responses each, results in prompt order; with
+    `draw` seeded (sample_seeds), so a resumed run samples what the uninterrupted one did."""
     k = len(engines)
     seeds = sample_seeds(seed, draw, len(prompts)) if draw is not None else None
     refs = [
@@ -279,20 +255,16 @@ def spawn_engines(
     memory: float, use_gpu: bool, sleep_mode: bool = False, lora: dict | None = None,
     engine_cls=Engine, **engine_kwargs,
 ) -> list:  # fmt: skip
-    """Start one engine per slot (Layout.engines; vLLM's TP workers are child processes and see the
-    actor's GPUs) and wait until every one has loaded its model, before anything rendezvouses with
-    them: one that fails to start is named here, not as a weight-sync timeout. `engine_cls`:
-    AsyncEngine (+ `engine_kwargs`), or a test's stand-in. `lora`: common/lora.py's engine_lora."""
+    """Start one engine per slot (vLLM's TP workers are child processes: they see the actor's GPUs)
+    and wait until each has loaded its model: one that fails to start is named here, not as a
+    weight-sync timeout. `engine_cls`: AsyncEngine (+ `engine_kwargs`) or a test's stand-in."""
     # The driver's VLLM_* settings go to the engines too (on a cluster they run elsewhere), e.g.
     # VLLM_USE_V2_MODEL_RUNNER=0: vLLM's previous model runner, if the default misbehaves
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
-    engine_kwargs.update({"lora": lora} if lora else {})
-    engines = [
-        engine_cls.options(**slot.options(pg, env)).remote(
-            model_path, seed + i, backend, tp, max_model_len, memory, sleep_mode, **engine_kwargs
-        )
-        for i, slot in enumerate(slots)
-    ]
+    args = (backend, tp, max_model_len, memory, sleep_mode)
+    kw = engine_kwargs | ({"lora": lora} if lora else {})
+    engines = [engine_cls.options(**s.options(pg, env)).remote(model_path, seed + i, *args, **kw)
+               for i, s in enumerate(slots)]  # fmt: skip
     wait_started(engines)
     return engines

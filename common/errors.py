@@ -11,10 +11,14 @@ import dataclasses
 import difflib
 import math
 import operator
+import os
+import re
 import signal
 import sys
 import threading
 import typing
+
+from common.lifetime import stop_now
 
 
 class InputError(SystemExit):
@@ -62,16 +66,17 @@ def check_ranges(args) -> None:
                 raise InputError(f"{flag} must be {rule} (got {value})")
 
 
-def parse_args(args_cls, argv: list[str] | None = None):
+def parse_args(args_cls, argv: list[str] | None = None, not_here: dict | None = None):
     """tyro.cli, with one `error:` line (exit status 1) where tyro would print a box and exit 2: a
-    flag that is not one of Args', a flag without its value, a number that is not one. Parsing the
-    command line (argv None), it also makes SIGTERM and Ctrl-C end the run with one line from here
-    on (stop_on_signals: before Ray starts too)."""
+    flag not in Args (`not_here`: why a sibling's flag is not here), a flag without its value, a
+    number that is not one. Parsing sys.argv, it also makes SIGTERM and Ctrl-C end the run with one
+    line from here on. A --resume keeps the run's own flags (checkpoint.keep_run_settings)."""
     import tyro
 
     if argv is None:
         stop_on_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
+    me = os.path.basename(getattr(sys.modules.get(args_cls.__module__), "__file__", "") or "")
     hints = typing.get_type_hints(args_cls)
     kinds = {"--" + f.name.replace("_", "-"): hints[f.name] for f in dataclasses.fields(args_cls)}
     kinds |= {"--no-" + flag[2:]: bool for flag, kind in kinds.items() if kind is bool}
@@ -82,9 +87,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if not flag.startswith("--") or flag == "--help":
             continue  # -h, --help and anything else: tyro's
         if flag not in kinds:
-            close = difflib.get_close_matches(flag, kinds, n=1)
-            maybe = f" (did you mean {close[0]}?)" if close else ""
-            raise InputError(f"no flag {flag}{maybe}; --help lists them")
+            raise InputError(no_flag(flag, kinds, me, not_here or {}))
         if kinds[flag] is bool:
             continue
         if not eq:
@@ -92,7 +95,34 @@ def parse_args(args_cls, argv: list[str] | None = None):
                 raise InputError(f"{flag} needs a value")
             value, i = argv[i], i + 1
         _check_number(flag, kinds[flag], value)
-    return tyro.cli(args_cls, args=argv)
+    args = tyro.cli(args_cls, args=argv)
+    from common import checkpoint  # it imports this module
+
+    if getattr(args, "resume", None):
+        checkpoint.keep_run_settings(args, checkpoint.flag_names(argv), me)
+    if getattr(args, "save_final", True) is False and getattr(args, "save_every", 1) == 0:
+        print("note: this run saves no model (--no-save-final, --save-every 0): what it learns is "
+              "lost when it ends; keep final/ or pass --save-every N to keep it")  # fmt: skip
+    return args
+
+
+def no_flag(flag: str, kinds: dict, me: str, not_here: dict) -> str:
+    """The line for a flag script `me` lacks: the scripts beside it that have it (their Args read as
+    text, not imported), why it is not here where the script says, or the closest of its own."""
+    name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag[2:]
+    field = re.compile(rf"^    {name.replace('-', '_')}: ", re.M)
+    repo, have = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), []
+    for script in sorted(os.listdir(repo), key=lambda s: (s != "grpo.py", s)):  # the parent first
+        if script.endswith(".py") and script != me:
+            with open(os.path.join(repo, script), encoding="utf-8", errors="replace") as f:
+                args = f.read().partition("\nclass Args:")[2].partition("\n\n\n")[0]
+            have += [script] if field.search(args) else []
+    if not have:
+        close = difflib.get_close_matches(flag, kinds, n=1)
+        return f"no flag {flag}{f' (did you mean {close[0]}?)' if close else ''}; --help lists them"
+    why = f": {not_here[f'--{name}']}" if f"--{name}" in not_here else ""
+    return (f"no flag {flag} in {me or 'this script'}{why}; {', '.join(have)} "
+            f"{'has' if len(have) == 1 else 'have'} it (python {have[0]} {flag})")  # fmt: skip
 
 
 def _check_number(flag: str, kind, value: str) -> None:
@@ -117,19 +147,21 @@ def _check_number(flag: str, kind, value: str) -> None:
 
 def stop_on_signals() -> None:
     """SIGTERM and Ctrl-C end the run as a fault, in every phase: exit status 1 and one line,
-    printed last, after Ray's shutdown (a preempted job's log ends saying why, even when every
-    process of the job got the signal, as SLURM and a terminal's Ctrl-C do, and the actors' last
-    words come first). The handler only exits: raised while the driver waits inside Ray (most of a
-    step), an exception's message would be lost. A second signal while the run stops is ignored."""
+    printed last, once every process of the run has ended (also when all got the signal, as from
+    SLURM or a terminal). The handler only exits: raised while the driver waits inside Ray, an
+    exception's message would be lost. A second signal while stopping ends the run at once."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig, what in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")):
 
         def stop(*_, what=what):
-            if not _STOPPED:
-                _STOPPED.append(what)
-                atexit.register(_last_line, what)  # runs before Ray's own exit hook
-                raise SystemExit(1)
+            if _STOPPED:  # a second one: at once (common/lifetime.py's watchdog ends the rest)
+                line = f"stopped at once by a second {what}: a checkpoint being written is dropped"
+                print(f"error: {line}, the newest whole one stays", file=sys.stderr, flush=True)
+                os._exit(1)
+            _STOPPED.append(what)
+            atexit.register(_last_line, what)  # runs before Ray's own exit hook
+            raise SystemExit(1)
 
         signal.signal(sig, stop)
 
@@ -138,7 +170,6 @@ _STOPPED: list[str] = []
 
 
 def _last_line(what: str) -> None:
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()  # stops every actor; what they print while stopping comes before the line
+    if (ray := sys.modules.get("ray")) and ray.is_initialized():  # every process of it ends first
+        stop_now(f"error: stopped by {what}")
     print(f"error: stopped by {what}", file=sys.stderr, flush=True)

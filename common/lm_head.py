@@ -7,9 +7,8 @@ fp32 logits and as much again for their gradient: ~10 GB each for 16k tokens of 
 vocabulary. `TokenLogprobs` walks the tokens in chunks of HEAD_CHUNK_BYTES of logits, keeping only
 each token's log-sum-exp, and recomputes a chunk's logits in the backward pass:
     ∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t)
-The values are those of the plain computation (same matmul in the model's dtype, then fp32).
-
-The head runs inside the model's forward, so FSDP2 gathers and frees its weight as usual:
+The values are those of the plain computation (same matmul in the model's dtype, then fp32). The
+head runs inside the model's forward, so FSDP2 gathers and frees its weight as usual:
 `token_logprobs` makes the nn.Linear head a `LogprobHead` (same parameter, name, checkpoints)."""
 
 from contextlib import contextmanager
@@ -60,17 +59,15 @@ class TokenLogprobs(torch.autograd.Function):
             if ctx.needs_input_grad[1]:  # a trained head (not a frozen one, under LoRA)
                 h = h.float()
                 grad_weight = dz.T @ h if grad_weight is None else grad_weight.addmm_(dz.T, h)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 
 def nucleus(z: torch.Tensor, labels: torch.Tensor, top_p: float) -> torch.Tensor:
     """Logits z (c, V) with the tokens outside the top-p nucleus at -inf, as vLLM's sampler keeps
     them: the most probable tokens, dropping those whose ascending cumulative probability is at most
-    1 - p. Its processed log-probabilities are renormalised over that set; so are these, or the
-    importance ratio π_θold / π_vllm would differ from 1 with the same weights. A label outside
-    (another kernel's rounding at the edge) stays in, finite."""
+    1 - p. vLLM's log-probabilities are renormalised over that set; so are these, or π_θold / π_vllm
+    would not be 1 for the same weights. A label outside (rounding at the edge) stays in, finite."""
     if top_p >= 1:
         return z
     ascending, order = z.sort(dim=-1)
@@ -82,8 +79,7 @@ def nucleus(z: torch.Tensor, labels: torch.Tensor, top_p: float) -> torch.Tensor
 
 
 class LogprobHead(torch.nn.Linear):
-    """The model's LM head (an nn.Linear without bias, the same weight): logits, or inside
-    `token_logprobs` the log-probabilities of the given labels."""
+    """The LM head (same weight): logits, or in `token_logprobs` the labels' log-probabilities."""
 
     targets = None  # (labels (N,), temperature, top_p) while token_logprobs is active
 

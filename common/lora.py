@@ -1,21 +1,24 @@
 """LoRA (Hu et al. 2021, arXiv 2106.09685): train low-rank adapters on a frozen base model,
     W' = W + (α / r) B A,      A (r x in) random, B (out x r) zero at the start,
-so a run starts exactly at the base model and trains r (in + out) numbers per adapted matrix
-instead of in x out. PEFT's LoRA layers are injected into the scripts' own model before FSDP2
-shards it (the adapters are sharded with their layer); only they (and a script's new head, e.g. a
-score head) train; the base stays in the training dtype with no gradient and no AdamW state.
+so a run starts exactly at the base model and trains r (in + out) numbers per adapted matrix instead
+of in x out. PEFT's LoRA layers are injected into the scripts' own model before FSDP2 shards it (the
+adapters are sharded with their layer); only they (and a script's new head, e.g. a score head)
+train; the base stays in the training dtype with no gradient and no AdamW state.
 
-With adapters the scripts need no second model: π_ref is the policy with its adapters off
-(`Disabled`). Checkpoints hold the adapters as a PEFT folder (`adapter/`: adapter_config.json +
-adapter_model.safetensors, what PEFT, transformers and vLLM load); the final one also holds the
-merged model. The engines run vLLM with LoRA enabled and receive only the adapters after every
-step (common/weight_sync.py), or, with --lora-merge-sync, merged full weights."""
+No second model: π_ref is the policy with its adapters off (`Disabled`). Checkpoints hold the
+adapters as a PEFT folder (`adapter/`: adapter_config.json + adapter_model.safetensors, what PEFT,
+transformers and vLLM load), the final one the merged model too. The engines run vLLM with LoRA and
+get only the adapters after each step (weight_sync.py), or merged weights (--lora-merge-sync)."""
 
 import copy
 import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common.errors import InputError
 
@@ -53,9 +56,6 @@ def check_model(args, model_path: str, head: str = "lm") -> None:
     on the meta device: no weights read). One `error:` line otherwise, listing what there is."""
     if not args.lora_rank:
         return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
     config = AutoConfig.from_pretrained(model_path, num_labels=1)
     auto_cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
     with torch.device("meta"):
@@ -105,9 +105,7 @@ class Adapters:
     def fill(self, source) -> None:
         """Rank 0's full copy (common/models.py's load_weights): the same adapters, initialised as
         PEFT does (A random, B zero) or read from the checkpoint being resumed."""
-        import torch
         from peft import inject_adapter_in_model
-        from safetensors.torch import load_file
 
         inject_adapter_in_model(self.config, source)
         if self.resume is None:
@@ -115,8 +113,9 @@ class Adapters:
         saved = load_file(os.path.join(self.resume, ADAPTER, "adapter_model.safetensors"))
         params = dict(source.named_parameters())
         with torch.no_grad():
-            for key, tensor in saved.items():
-                params[model_name(key)].copy_(tensor)
+            for key, tensor in saved.items():  # PEFT's file key -> the model's name
+                name = key.removeprefix(PREFIX).replace(".lora_A.", ".lora_A.default.")
+                params[name.replace(".lora_B.", ".lora_B.default.")].copy_(tensor)
 
 
 def adapters(args, base: str, path: str, whole=()) -> Adapters | None:
@@ -126,23 +125,9 @@ def adapters(args, base: str, path: str, whole=()) -> Adapters | None:
         return None
     from peft import LoraConfig
 
-    config = LoraConfig(
-        r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
-        target_modules=targets(args), base_model_name_or_path=base,
-    )  # fmt: skip
+    config = LoraConfig(r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
+                        target_modules=targets(args), base_model_name_or_path=base)  # fmt: skip
     return Adapters(config, base, path if path != base else None, tuple(whole))
-
-
-def file_key(name: str) -> str:
-    """A model parameter's name -> its key in adapter_model.safetensors (PEFT's format)."""
-    return PREFIX + name.replace(".default.", ".")
-
-
-def model_name(key: str) -> str:
-    name = key.removeprefix(PREFIX)
-    for part in (".lora_A.", ".lora_B."):
-        name = name.replace(part, f"{part}default.")
-    return name
 
 
 def on(model) -> bool:
@@ -186,15 +171,14 @@ def adapter_tensors(model, dtype=None) -> dict:
     for name, param in model.named_parameters():
         if param.requires_grad:
             full = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            key = PREFIX + name.replace(".default.", ".")  # its key in adapter_model.safetensors
             # a copy of its own: a gathered tensor can be a view into FSDP2's buffers
-            out[file_key(name)] = full.to("cpu", dtype or full.dtype, copy=True)
+            out[key] = full.to("cpu", dtype or full.dtype, copy=True)
     return out
 
 
 def write_adapter(folder: str, tensors: dict, config: dict) -> None:
     """A PEFT adapter folder: adapter_config.json + adapter_model.safetensors."""
-    from safetensors.torch import save_file
-
     os.makedirs(folder, exist_ok=True)
     file = os.path.join(folder, "adapter_model.safetensors")
     save_file({k: v.contiguous() for k, v in tensors.items()}, file, metadata={"format": "pt"})

@@ -1,20 +1,20 @@
 """The memory plan: what each GPU of a job must hold, from the model config, the layout and the
-flags, computed before anything starts: a run that cannot fit stops in a second with the numbers.
-Per parameter a trainer rank holds fp32 weights (4 B), gradients (4 B, freed after each optimizer
-step) and AdamW's two moments (8 B), sharded over the trainer ranks by FSDP2; a frozen reference
-holds fp32 weights (4 B). While it computes, a rank also holds copies in the compute dtype (2 B,
-float32 4 B: common/precision.py) of two decoder layers (in use, and prefetched by FSDP2) and of the
-root, their gradients, the activations autograd keeps and the LM head's chunk (lm_head.py). An
-engine takes its --engine-memory share, asleep while colocated trainers train; a reward model is
-whole; every process adds a CUDA context. With LoRA a trained model is a frozen base in the compute
-dtype plus 16 B per adapter parameter, and π_ref is that base. The figures are lower bounds of what
-the code allocates: a plan that fits is never refused (docs/cluster.md)."""
+flags, computed before anything starts: a run that cannot fit stops at once, with the numbers. Per
+parameter a trainer rank holds fp32 weights (4 B), gradients (4 B, freed after each optimizer step)
+and AdamW's two moments (8 B), sharded by FSDP2; a frozen reference holds fp32 weights (4 B). While
+it computes, a rank also holds copies in the compute dtype (2 B; float32 4 B) of two decoder layers
+(in use, prefetched) and of the root, their gradients, the activations autograd keeps and the LM
+head's chunk (lm_head.py). An engine takes its --engine-memory share, asleep while colocated
+trainers train; a reward model is whole; every process adds a CUDA context. With LoRA a trained
+model is a frozen base in the compute dtype plus 16 B per adapter parameter; π_ref is that base. All
+are lower bounds of what the code allocates: a plan that fits is never refused (docs/cluster.md)."""
 
 import copy
 import os
 from dataclasses import dataclass, replace
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common.errors import InputError
 from common.precision import BYTES, SHORT, first_gpu
@@ -40,12 +40,9 @@ class Shape:
 
 
 def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
-    """The Shape of a model with this config (an HF config or a model folder), built on the meta
-    device: exact counts for any architecture, no memory used. head "lm": causal LM; "score":
-    one-label classifier (critic, reward model). `lora`: (rank, target module names) of its
-    adapters, r (in + out) parameters per adapted linear layer; a score head trains whole."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
+    """The Shape of a model with this config (HF config or model folder), built on the meta device:
+    exact counts, no memory used. head "lm": causal LM, "score": one-label classifier. `lora`: its
+    adapters' (rank, target names): r (in + out) per adapted linear layer, a score head whole."""
     config = AutoConfig.from_pretrained(config) if isinstance(config, str) else config
     if head != "lm":
         config = copy.deepcopy(config)
@@ -110,11 +107,9 @@ def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype
         base = {f"frozen {short} base": b * s.params / ranks}
         idle = {**base, "adapters + AdamW": 12 * s.adapters / ranks}
         busy = {**base, "adapters + grads + AdamW": 16 * s.adapters / ranks}
-    busy = {
-        **busy,
-        f"gathered {short} layers": b * (1 + (not s.adapters)) * (2 * s.layer + s.root),  # + grads
-        "activations": activations(s, tokens, ckpt, b),
-    }
+    # two decoder layers (in use, prefetched) and the root gathered, with their grads if trained
+    busy[f"gathered {short} layers"] = b * (1 + (not s.adapters)) * (2 * s.layer + s.root)
+    busy["activations"] = activations(s, tokens, ckpt, b)
     if lm_head:  # the chunk's logits, probabilities and their gradient; the head's fp32 gradient
         busy["LM head"] = lm_head * HEAD_CHUNK_BYTES + (not s.adapters) * 4 * s.vocab * s.hidden
     return idle, busy
@@ -187,13 +182,11 @@ def remedies(job: Job, capacity: float, lora_job: Job | None = None) -> list[str
     half = replace(job, engine_memory=job.engine_memory / 2)
     if job.colocate and job.engines and fits(half, capacity):
         out.append(f"--engine-memory {half.engine_memory:.2g}")
-    for ranks in (2, 4, 8, 16, 32, 64, 128):
-        if ranks > job.trainers:
-            more = replace(job, trainers=ranks, critics=ranks if job.critics else 0)
-            if fits(more, capacity):
-                extra = f" --num-engines {ranks}" if job.colocate and job.engines else ""
-                out.append(f"more GPUs: --num-trainers {ranks}{extra}")
-                break
+    for ranks in [r for r in (2, 4, 8, 16, 32, 64, 128) if r > job.trainers]:
+        if fits(replace(job, trainers=ranks, critics=ranks if job.critics else 0), capacity):
+            extra = f" --num-engines {ranks}" if job.colocate and job.engines else ""
+            out.append(f"more GPUs: --num-trainers {ranks}{extra}")
+            break
     return out[:3]
 
 
@@ -217,9 +210,8 @@ def describe(row: tuple, capacity: float | None) -> str:
 
 
 def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tuple[Job, str]:
-    """Refuse a job that cannot fit, in one line naming the numbers and what would make it fit
-    (remedies). Returns the job (colocated critic and reward model offloaded if that fits) and the
-    plan line."""
+    """Refuse, in one line with the numbers and the remedies, a job that cannot fit; else return the
+    job (colocated critic and reward model offloaded if that fits) and the plan line."""
     if capacity is None:
         return job, f"memory plan (GPU size unknown, not checked): {describe(peak(job, GiB), None)}"
     offloaded = replace(job, offload=True)
@@ -240,9 +232,8 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
     return job, f"memory plan: {describe(worst, capacity)}: fits{note}"
 
 
-def check_run(
-    args, use_gpu: bool, policy: str, reference=None, critic=None, reward_model=None, head="lm"
-) -> bool:
+def check_run(args, use_gpu: bool, policy: str, reference=None, critic=None, reward_model=None,
+              head="lm") -> bool:  # fmt: skip
     """On GPU, plan a script's run (`policy` etc. are model folders), print the plan's line, refuse
     it if it cannot fit; return whether idle models are offloaded. `reference`: the trainers hold a
     frozen copy of the policy (default: when the script has --kl-coef > 0). CPU: check_kv_cache."""
@@ -275,8 +266,7 @@ def check_run(
 
 
 def engine_memory(args, use_gpu: bool = True) -> float:
-    """The engines' --engine-memory: on GPU the fraction of their GPU (default 0.85, 0.4
-    colocated), on CPU GiB of KV cache (default 1)."""
+    """--engine-memory: the GPU's fraction (default 0.85, colocated 0.4); CPU: KV-cache GiB (1)."""
     if not hasattr(args, "num_engines"):
         return 0.0
     default = (0.4 if getattr(args, "colocate", False) else 0.85) if use_gpu else 1.0

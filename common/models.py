@@ -29,7 +29,7 @@ def resolve_model(name: str) -> str:
     expanded = os.path.expanduser(name)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
-            raise InputError(f"model folder {name!r} has no config.json")
+            raise InputError(not_a_model(name, expanded, "model folder"))
         return os.path.abspath(expanded)
     path_like = os.path.isabs(expanded) or name.startswith((".", "~")) or name.count("/") > 1
     if path_like or os.path.exists(expanded):
@@ -46,8 +46,17 @@ def resolve_model(name: str) -> str:
         where = "is not a local folder and could not be fetched from the hub"
         raise InputError(f"model {name!r} {where}: {why}") from None
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise InputError(f"hub model {name!r} has no config.json")
+        raise InputError(not_a_model(name, path, "hub model"))
     return path
+
+
+def not_a_model(name: str, folder: str, what: str) -> str:
+    """Why `folder` (no config.json) is not a model; a PEFT adapter folder (ours: in adapter/)."""
+    if any(os.path.isfile(f"{folder}/{sub}adapter_config.json") for sub in ("", "adapter/")):
+        return (f"--model {name!r} holds LoRA adapters (PEFT's adapter_config.json), not a "
+                "model: a LoRA run's merged model is its checkpoints/final; to go on training the "
+                "adapters, --resume the run (with --model its base)")  # fmt: skip
+    return f"{what} {name!r} has no config.json"
 
 
 def _builtin_model_dir() -> str:

@@ -5,6 +5,7 @@ engine), so a job either gets everything or waits, instead of deadlocking half-p
 bundle is its GPUs + 1 CPU; on CPU one CPU, a scheduling token: Ray lets us declare more logical
 CPUs than there are cores. `Layout` says which actor sits on which bundle."""
 
+import atexit
 import math
 import os
 import random
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
+import torch
+import torch.distributed as dist
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common import lifetime
 from common.data import REPO_ROOT
 from common.errors import InputError, RunError, stop_on_signals
 
@@ -33,17 +37,14 @@ def count_gpus() -> tuple[int, str]:
         init_ray()
         gpus = int(ray.cluster_resources().get("GPU", 0))
         return gpus, f"the Ray cluster at {os.environ['RAY_ADDRESS']}"
-    import torch
-
     return (torch.cuda.device_count() if torch.cuda.is_available() else 0), "this machine"
 
 
 def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart="") -> tuple:
-    """(use GPUs, colocate) for a job that needs `split` GPUs with every actor on GPUs of its own,
-    or `colocated` GPUs when its actors share them (None: they cannot; `why_apart` says why). On
-    GPU it prints the layout in one line; a job that does not fit exits with one line. Without
-    --colocate the actors get GPUs of their own when there are enough, and share them when there are
-    not (one GPU: the usual machine); with it they always share. CPU: nothing is shared."""
+    """(use GPUs, colocate) for a job needing `split` GPUs with every actor on GPUs of its own, or
+    `colocated` GPUs when its actors share them (None: they cannot; `why_apart` says why), printed
+    in one line. Without --colocate the actors get GPUs of their own if there are enough, else share
+    them (one GPU: the usual machine); with it they always share. CPU: no sharing."""
     have, where = count_gpus()
     if have == 0:
         if colocate:
@@ -67,50 +68,30 @@ def init_ray(num_bundles: int = 0) -> None:
     $RAY_ADDRESS; say which, and name Ray processes alive here before this run (their memory)."""
     if ray.is_initialized():
         return
-    alive = other_ray_processes()
+    alive = [] if "RAY_ADDRESS" in os.environ else lifetime.other_ray_processes()
     if alive:
         named = ", ".join(alive[:4]) + (", ..." if len(alive) > 4 else "")
         print(f"note: {len(alive)} Ray processes not of this run are alive here ({named}): another "
-              "run's, or a killed one's, which end within a minute; `kill` them if you need their "
-              "memory", flush=True)  # fmt: skip
+              "run's or program's; `kill` them if you need their memory", flush=True)  # fmt: skip
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Actors import `common` and the scripts' modules: the repo is importable wherever they start.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     env = {"PYTHONPATH": pythonpath, **quiet, "TRANSFORMERS_VERBOSITY": "error"}
+    env.update([lifetime.mark_run().split("=", 1)])  # every process of the run: its marker
     opts = dict(runtime_env={"env_vars": env}, logging_level="ERROR")
     if "RAY_ADDRESS" in os.environ:  # a cluster, joined on purpose
         where = f"the Ray cluster at {os.environ['RAY_ADDRESS']} ($RAY_ADDRESS)"
-        try:
-            ray.init(address=os.environ["RAY_ADDRESS"], **opts)
-        except (ConnectionError, RuntimeError) as e:
-            # a `ray start` cluster wants a token, which Ray's client sends only if told to
-            auth = "Authentication" in repr(e.__cause__) and os.getenv("RAY_AUTH_MODE") != "token"
-            hint = "; it wants its token: set RAY_AUTH_MODE=token" if auth else ""
-            raise InputError(f"could not join {where}: {str(e).splitlines()[0]}{hint}") from None
+        lifetime.join_cluster(os.environ["RAY_ADDRESS"], where, opts)
     else:  # a private instance, also when someone's `ray start` runs on this machine
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token: it is ours alone
         num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # scheduling tokens, not cores
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **opts)
         where = "a private local Ray instance (set RAY_ADDRESS to join a cluster)"
     stop_on_signals()  # again: ray.init installs its own handlers
+    atexit.register(lifetime.end_ray)  # before Ray's own exit hook: stop it, wait for the processes
     nodes, gpus = len(ray.nodes()), int(ray.cluster_resources().get("GPU", 0))
     print(f"ray: {where}: {nodes} node{'s' * (nodes > 1)}, {gpus} GPUs", flush=True)
-
-
-def other_ray_processes() -> list[str]:
-    """Each Ray worker process on this machine (Linux), as "ray::Engine (pid 123)": before this run
-    starts Ray, another run's, or the leftovers of a driver killed with SIGKILL."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                name = f.read().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if name.startswith("ray::"):
-            found.append(f"{name} (pid {pid})")
-    return found
 
 
 @dataclass
@@ -132,11 +113,10 @@ class Slot:
 
 class Layout:
     """A job's bundles (trainer ranks, critic ranks, engines, reward model) and each actor's slot.
-    GPU, `colocate` (the hybrid engine): only the trainer ranks have bundles; engine i, critic rank
-    i and the reward model (on bundle 0) share trainer rank i's GPU, each asking Ray for an equal
-    share (the models take turns: vLLM sleeps while others train). Only the trainer asks for the
-    bundle's one CPU (an actor asking for a second would wait forever). CPU: every actor takes its
-    own one-CPU bundle (vLLM cannot sleep on CPU)."""
+    GPU with `colocate`: only the trainer ranks have bundles; engine i, critic rank i and the reward
+    model (on bundle 0) share trainer rank i's GPU, each asking Ray for an equal share (the models
+    take turns: vLLM sleeps while others train); only the trainer asks for the bundle's one CPU (a
+    second ask would wait forever). CPU: a one-CPU bundle per actor (vLLM cannot sleep on CPU)."""
 
     def __init__(self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False,
                  critics=0, reward_model=False):  # fmt: skip
@@ -205,10 +185,8 @@ def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
     Each is constructed as actor_cls(*args, rank, world_size, master_addr, master_port) and is to
     call `init_distributed` with those in its __init__; the address is on the node of rank 0."""
     addr, port = rendezvous_address(pg, slots[0].bundle)
-    actors = [
-        actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port)
-        for r, s in enumerate(slots)
-    ]
+    actors = [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port)
+              for r, s in enumerate(slots)]  # fmt: skip
     wait_started(actors)
     return actors
 
@@ -222,9 +200,6 @@ def wait_started(actors: list) -> None:
 
 def init_distributed(rank: int, world_size: int, addr: str, port: int):
     """Join the trainers' process group (NCCL on GPU, gloo on CPU); returns this rank's device."""
-    import torch
-    import torch.distributed as dist
-
     env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(env)
     group = dict(rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
@@ -241,15 +216,12 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
 
 
 def call(actors: list, method: str, *args, per_rank=None, timeout=None, watch=()) -> list:
-    """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all.
-    A dead actor or one that does not answer within `timeout` seconds becomes a one-line RunError
-    naming it, not a hang; the other actors' calls are cancelled by the shutdown that follows.
-    `watch`: actors that work meanwhile (engines generating while trainers train), checked every
-    WATCH_S seconds: one that dies ends the wait too, named, in this phase (`method`)."""
-    refs = [
-        getattr(a, method).remote(*(([per_rank[i]] if per_rank is not None else []) + list(args)))
-        for i, a in enumerate(actors)
-    ]
+    """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all. An
+    actor dead or silent for `timeout` seconds becomes a one-line RunError naming it, not a hang
+    (the shutdown that follows cancels the rest). `watch`: actors working meanwhile (engines
+    generating), checked every WATCH_S s: one that dies ends the wait, named."""
+    refs = [getattr(a, method).remote(*([per_rank[i]] if per_rank is not None else []), *args)
+            for i, a in enumerate(actors)]  # fmt: skip
     names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
     return wait_all(refs, names, method, timeout, watch)
 
@@ -265,9 +237,8 @@ def wait_all(refs: list, names: list[str], what: str, timeout=None, watch=()) ->
         wait_s = max(0.0, deadline - time.monotonic())
         wait_s = min(wait_s, WATCH_S) if watched else wait_s
         ready, left = ray.wait(left, num_returns=1, timeout=wait_s, fetch_local=False)
-        for ping in (
-            ray.wait(list(watched), num_returns=len(watched), timeout=0)[0] if watch else []
-        ):
+        pings = ray.wait(list(watched), num_returns=len(watched), timeout=0)[0] if watch else []
+        for ping in pings:
             actor, name = watched.pop(ping)
             _get(ping, name, what)  # a watched actor that died
             watched[actor.__ray_ready__.remote()] = (actor, name)

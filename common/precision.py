@@ -14,10 +14,10 @@ import os
 import subprocess
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from common.errors import InputError
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")  # --dtype
 OLDEST = (7, 5)  # the pinned CUDA 13 builds of torch and vLLM run on Turing (T4) and newer
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -68,11 +68,8 @@ def choose_dtype(dtype: str, use_gpu: bool) -> str:
         chosen = "bfloat16" if dtype == "auto" else dtype
         where = "the GPUs are not visible here; below compute capability 8.0: --dtype float16"
     else:
-        capability = tuple(int(x) for x in gpu[1].split("."))
-        chosen, where = (
-            check_gpu(dtype, gpu[0], capability),
-            f"{gpu[0]}, compute capability {gpu[1]}",
-        )
+        chosen = check_gpu(dtype, gpu[0], tuple(int(x) for x in gpu[1].split(".")))
+        where = f"{gpu[0]}, compute capability {gpu[1]}"
     scaled = ", dynamic loss scaling" if chosen == "float16" else ""
     print(f"precision: {chosen} compute, fp32 master weights{scaled} ({where})", flush=True)
     return chosen
@@ -80,35 +77,26 @@ def choose_dtype(dtype: str, use_gpu: bool) -> str:
 
 def compute_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
     """What a trainer or engine on `device` computes in: `dtype` as the driver chose it ("auto":
-    chosen here, float32 on CPU). On a GPU it is checked again, on the GPU itself: a cluster's
-    driver may not see the GPUs."""
+    chosen here, float32 on CPU), checked again on a GPU (a cluster's driver may not see them)."""
     if device.type == "cuda":
-        name, capability = (
-            torch.cuda.get_device_name(device),
-            torch.cuda.get_device_capability(device),
-        )
-        dtype = check_gpu(dtype, name, capability)
+        name = torch.cuda.get_device_name(device)
+        dtype = check_gpu(dtype, name, torch.cuda.get_device_capability(device))
     return getattr(torch, "float32" if dtype == "auto" else dtype)
 
 
 def mixed_precision(dtype: torch.dtype):
     """FSDP2's policy: compute in `dtype`, keep the master weights and reduce gradients in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     if dtype == torch.float32:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 class LossScale:
-    """Dynamic loss scaling for float16 compute; with another dtype a scale of 1 that does nothing.
-
-    backward(loss) back-propagates loss × S; unscale(params) divides the gradients by S before they
-    are clipped; skip(grad_norm, step) tells whether to drop this update: a non-finite norm means
-    the scaled gradients overflowed float16, so S halves and the optimizer does not step. After
-    `interval` updates in a row without overflow S doubles. S starts at 2^16, as torch's
-    GradScaler does; an overflow at S = 1 is no longer the scale's doing (the forward pass overflows
-    float16) and stops the run."""
+    """Dynamic loss scaling for float16 compute (S = 1 for another dtype); unscale() divides the
+    gradients by S before they are clipped. skip(grad_norm, step): a non-finite norm means the
+    scaled gradients overflowed float16: S halves, the optimizer does not step; after `interval`
+    updates in a row without overflow S doubles. S starts at 2^16 (GradScaler's). An overflow at a
+    scale of 1 is not the scale's doing (the forward pass overflows): it stops the run."""
 
     def __init__(self, dtype: torch.dtype, scale: float = 2.0**16, interval: int = 1000):
         self.on = dtype == torch.float16

@@ -8,15 +8,15 @@ import signal
 import threading
 
 import ray
+from transformers import AutoTokenizer
 
 from common.errors import RunError
 
 
 def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, labels=None):
-    """fn(response, answer) for each pair -> list of floats, in this (the main) thread: math-verify
-    needs it for its own timeouts. A call that raises, runs over `timeout` seconds, or returns
-    anything but a finite number stops the run with one line naming the function, `where` (e.g.
-    "step 3") and the pair (`labels[i]`, or its row)."""
+    """fn(response, answer) for each pair -> floats, in this (main) thread: math-verify needs it for
+    its timeouts. A call that raises, runs over `timeout` s or returns no finite number stops the
+    run in one line naming fn, `where` ("step 3") and the pair (`labels[i]` or its row)."""
     name = getattr(fn, "__name__", repr(fn))
 
     class Late(BaseException):  # not an Exception: a reward function's `except Exception` misses it
@@ -56,22 +56,18 @@ def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, la
 @ray.remote(num_cpus=0)
 class RewardWorker:
     """call_reward in an actor of its own, on its main thread (where math-verify's and the timeout's
-    signals work), so that grpo_async.py scores each group as soon as it is sampled, while the
-    trainers train. score() returns (texts, rewards); a broken reward function's line comes back as
-    a RuntimeError (a RunError raised in an actor would end the actor without saying why)."""
+    signals work): grpo_async.py scores each group as soon as it is sampled. A broken reward
+    function's line comes back as a RuntimeError (a RunError would end the actor without a word)."""
 
     def __init__(self, fn, tokenizer_path: str, timeout: float):
-        from transformers import AutoTokenizer
-
         self.fn, self.timeout = fn, timeout
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     def score(self, outs: list, answer: str, where: str, labels: list[str]) -> tuple:
         """outs: one engine.generate result for one prompt, [[sample] * n]."""
         texts = [self.tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in outs[0]]
+        pairs = [(t, answer) for t in texts]
         try:
-            return texts, call_reward(
-                self.fn, [(t, answer) for t in texts], where, self.timeout, labels
-            )
+            return texts, call_reward(self.fn, pairs, where, self.timeout, labels)
         except RunError as e:
             raise RuntimeError(str(e.code).removeprefix("error: ")) from None

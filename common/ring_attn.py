@@ -2,17 +2,17 @@
 
 Each of the k ranks of an SP group holds 2 of the row's 2k chunks (zigzag: rank i has chunks i and
 2k-1-i, so every rank does the same causal work). Its K/V block travels once around the ring; each
-rank attends its queries to every block as it passes and merges the partial results with their
-log-sum-exp. The backward sends K/V around again with a dK/dV accumulator that arrives back home
-after k hops. Memory per rank: activations of T/k tokens, one (heads, T/2k, T/2k) score block at a
-time. Packed rows: a token's sequence starts at (global index - position id); ring_plan cuts each
-(query chunk, key chunk) pair to its one piece with allowed pairs, for a block kernel
-(common/attn_blocks.py). See docs/ring_attention.md."""
+rank attends its queries to every block as it passes, merging partial results by log-sum-exp. The
+backward sends K/V around again with a dK/dV accumulator, home after k hops. Memory per rank:
+activations of T/k tokens, one (heads, T/2k, T/2k) score block at a time. Packed rows: a token's
+sequence starts at (global index - position id); ring_plan cuts each (query chunk, key chunk) pair
+to the one piece with allowed pairs (attn_blocks.py computes it). See docs/ring_attention.md."""
 
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from transformers import AttentionInterface
 
 from common import attn_blocks
 
@@ -48,9 +48,8 @@ def zigzag_indices(total: int, sp_rank: int, sp_size: int, device=None) -> torch
 
 def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
     """This rank's zigzag share of a packed micro-batch: every (1, T) tensor padded to a multiple of
-    2k and cut. Padding is a sequence of its own (position ids 0, 1, ..., zeros elsewhere, so
-    loss_mask 0): nothing real attends to it and it adds no loss. Other entries (e.g. the scalar
-    "loss_scale") pass through."""
+    2k and cut (other entries pass through). Padding is a sequence of its own (position ids 0, 1,
+    ..., zeros elsewhere, so loss_mask 0): nothing real attends to it and it adds no loss."""
     if sp_size == 1:
         return mb
     T = mb["input_ids"].shape[1]
@@ -70,10 +69,9 @@ def shares_per_rank(shares: list, sp_size: int) -> list:
 
 
 def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None):
-    """Per-sequence sums (S,) of per-token `values` (N,) whose sequences are split over the group:
-    each rank adds up its own tokens, then the partial sums are all-reduced. The backward is the
-    identity: every rank of the group computes the same loss from the same sums, and each must get
-    the gradient of its own tokens once (a plain all-reduce backward would count it k times)."""
+    """Per-sequence sums (S,) of per-token `values` (N,) split over the group: each rank's partial
+    sums, all-reduced. The backward is the identity: every rank computes the same loss from the same
+    sums, and must get its own tokens' gradient once (an all-reduce would count it k times)."""
     sums = values.new_zeros(num_seqs).index_add(0, seq_index, values)
     return sums if group is None else _SumOverGroup.apply(sums, group)
 
@@ -91,12 +89,9 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 def enable_ring_attention(model, group) -> None:
-    """Make an HF causal LM attend with ring attention over `group` (None: its own attention again),
-    through transformers' AttentionInterface. Inputs must then be rows sharded by shard_micro_batch;
-    switch it off around generate() and other unsharded forwards (the ranks of a group would
-    otherwise exchange K/V of unrelated prompts)."""
-    from transformers import AttentionInterface
-
+    """Make an HF causal LM attend with ring attention over `group` (None: its own attention again)
+    via transformers' AttentionInterface, on rows sharded by shard_micro_batch. Switch it off around
+    generate() and other unsharded forwards: the ranks would exchange K/V of unrelated prompts."""
     if group is None:
         if model.config._attn_implementation == RING:
             model.set_attn_implementation(model._attn_before_ring)
@@ -118,8 +113,7 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
     if dropout or getattr(module, "sliding_window", None) or kwargs.get("softcap"):
         unsupported = "neither attention dropout, sliding windows nor softcap"
         raise NotImplementedError(f"ring attention supports {unsupported}")
-    group, T = module.sp_group, query.shape[2]
-    n = dist.get_world_size(group)
+    group, T, n = module.sp_group, query.shape[2], dist.get_world_size(module.sp_group)
     # Every rank needs the whole row's sequence starts to plan its blocks: an all-gather a layer.
     pos = [torch.empty_like(kwargs["position_ids"][0]) for _ in range(n)]
     dist.all_gather(pos, kwargs["position_ids"][0].contiguous(), group=group)
@@ -134,10 +128,9 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
 
 def ring_plan(starts: torch.Tensor, rank: int, n: int) -> list[list[tuple]]:
     """Per ring step, the pieces (rows, cols, cu) of (local queries x visiting K/V block) with an
-    allowed pair. Chunks are contiguous, and a K chunk before a Q chunk is wholly in its past, so
-    only the sequence of the Q chunk's first token reaches into it: one dense rectangle (cu None), a
-    prefix of the Q chunk by a suffix of the K chunk. A chunk against itself is causal inside each
-    sequence (cu: their boundaries, flash-attn's cu_seqlens). A later K chunk is skipped."""
+    allowed pair. A K chunk before a Q chunk is wholly in its past, so only the Q chunk's first
+    sequence reaches into it: one rectangle (cu None), a Q-chunk prefix by a K-chunk suffix. A chunk
+    against itself is causal inside each sequence (cu: their boundaries)."""
     c = starts.numel() // (2 * n)
     plan = []
     for step in range(n):
@@ -168,9 +161,8 @@ def _ring_pass(t: torch.Tensor, group):
 
 
 class RingAttention(torch.autograd.Function):
-    """Exact causal attention of the local queries against the K/V of every rank of the ring:
-    q (T, H, D), k/v (T, Hkv, D); plan from ring_plan. Each piece goes to a block kernel
-    (attn_blocks: flash-attn varlen on CUDA if usable, else torch): its output and log-sum-exp."""
+    """Exact causal attention of the local queries q (T, H, D) against the K/V (T, Hkv, D) of every
+    rank of the ring; plan from ring_plan, each piece computed by a block kernel."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scale, group):

@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 from common.data import REPO_ROOT
 from common.errors import InputError
 
+_LOCKS: dict[str, int] = {}  # run dir -> the open lock file this process holds until it exits
+
 
 class Run:
     """Owns the run directory; logs each metric row to console, metrics.jsonl, (--track) wandb."""
@@ -99,13 +101,9 @@ class Run:
             self.wandb.finish()
 
 
-_LOCKS: dict[str, int] = {}  # run dir -> the open lock file this process holds until it exits
-
-
 def lock_run_dir(run_dir: str) -> None:
-    """One writer per run dir: an exclusive flock on <run dir>/.lock, held until this process ends
-    (the kernel drops it with the process, so a crash leaves no stale lock). A second run that
-    would write in the same dir (a requeued job beside the old one) stops naming the live one."""
+    """One writer per run dir: an exclusive flock on <run dir>/.lock, dropped by the kernel when
+    this process ends (no stale lock after a crash); a second writer stops, naming the first."""
     run_dir = os.path.abspath(run_dir)
     if run_dir in _LOCKS:
         return

@@ -1,15 +1,13 @@
 """vLLM's side of the weight sync: a "gloo" backend for CPU, and a check that updates are whole.
 
-A weight update that leaves a weight unset is silent in vLLM: the layer keeps whatever its memory
-holds (after sleep level 2, garbage) and vLLM only logs a warning. `Whole` makes such an update
-fail instead, naming the first weight; the engines use every backend with it: "checked-gloo" (gloo
-below), "checked-nccl" and "checked-ipc" (vLLM's own, both CUDA-only).
+A weight update that leaves a weight unset is silent in vLLM: the layer keeps what its memory holds
+(after sleep level 2, garbage), with a warning. `Whole` makes it fail, naming the first weight, in
+every backend: "checked-gloo" (below), "checked-nccl" and "checked-ipc" (vLLM's, CUDA-only).
 
-The gloo backend is registered with vLLM's two factories, so trainers drive it with the calls they
-use on GPU. Its group is trainer rank 0 (the sender, rank 0) plus every engine worker (ranks 1..).
-Tensors travel in packed chunks: both sides cut the same chunks from the same metadata, so only the
-bytes are sent. This module is imported in every vLLM worker through `worker_extension_cls` (the
-registration must happen in the process that builds the engine) and lazily by trainers."""
+The gloo backend is registered with vLLM's two factories: trainers drive it as they drive vLLM's.
+Its group: trainer rank 0 (the sender) plus every engine worker (ranks 1..); both sides cut the same
+packed chunks from the same metadata, so only bytes travel. vLLM workers import it
+(`worker_extension_cls`: registering must happen where the engine is built), trainers lazily."""
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -24,6 +22,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngin
 from vllm.model_executor.model_loader import reload
 
 CHUNK_BYTES = 256 * 2**20
+KV_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")  # checkpoints may lack them
 
 
 class WorkerExtension:
@@ -31,22 +30,20 @@ class WorkerExtension:
 
 
 class Whole:
-    """Mixed into a WeightTransferEngine: an update must set every parameter of the model or fail.
-    Every backend loads what it receives through the model's `load_weights`, which returns the names
-    of the parameters it set; their union is compared with the model's parameters when the update
-    finishes (as vLLM's reload_weights does, which only warns). KV-cache scales are left out."""
+    """Mixed into a WeightTransferEngine: every backend loads what it receives through the model's
+    `load_weights`, which returns the names it set; when the update finishes their union must be all
+    the model's parameters but KV_SCALES (vLLM's reload_weights only warns)."""
 
     def start_weight_update(self) -> None:
         super().start_weight_update()
-        self.received, model = set(), self.model
-        load = model.load_weights
+        self.received, load = set(), self.model.load_weights
 
         def recording_load_weights(weights):  # the model's own, noting the names it set
             names = load(weights)
             self.received.update(names or ())
             return names
 
-        model.load_weights = recording_load_weights
+        self.model.load_weights = recording_load_weights
 
     def finish_weight_update(self) -> None:
         del self.model.load_weights  # the class's method again
@@ -59,9 +56,6 @@ class Whole:
                 f"the weight update set {len(expected) - len(missing)} of the engine's "
                 f"{len(expected)} weights; missing: {missing[0]}{more}"
             )
-
-
-KV_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")  # checkpoints may lack them
 
 
 def gloo_group(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -189,7 +183,6 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
 CheckedGloo = type("CheckedGloo", (Whole, GlooWeightTransferEngine), {"__module__": __name__})
 CheckedNCCL = type("CheckedNCCL", (Whole, NCCLWeightTransferEngine), {"__module__": __name__})
 CheckedIPC = type("CheckedIPC", (Whole, IPCWeightTransferEngine), {"__module__": __name__})
-factory.WeightTransferEngineFactory.register_engine("checked-gloo", CheckedGloo)
-factory.WeightTransferEngineFactory.register_engine("checked-nccl", CheckedNCCL)
-factory.WeightTransferEngineFactory.register_engine("checked-ipc", CheckedIPC)
+for name, checked in [("gloo", CheckedGloo), ("nccl", CheckedNCCL), ("ipc", CheckedIPC)]:
+    factory.WeightTransferEngineFactory.register_engine(f"checked-{name}", checked)
 factory.WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)

@@ -7,15 +7,12 @@
 
 Every trainer rank calls `init_weight_sync` once and `.push()` after each optimizer step: all ranks
 materialize the full tensors from their FSDP shards (a collective), rank 0 drives the engines
-through vLLM's protocol (start, update, finish). Two checks follow every push, so an engine never
-serves stale or half-loaded weights in silence: the engines refuse an update that did not set every
-weight (common/vllm_worker.py), and `.check()` compares the engines' log-probabilities of a probe
-text with the trainer's. The driver does it all with one call, `sync_weights`. vLLM is imported
-lazily: this module loads in the driver too.
-
-With LoRA adapters on the model (--lora-rank) only the adapters travel (`AdapterTransfer`): a few
-MB that every engine writes as a PEFT folder and loads in place through vLLM's LoRA API; with
---lora-merge-sync the merged full weights go through the backend above instead."""
+through vLLM's protocol (start, update, finish). Two checks follow, so no engine serves stale or
+half-loaded weights in silence: the engines refuse an update that did not set every weight
+(common/vllm_worker.py), and `.check()` compares their log-probabilities of a probe text with the
+trainer's. With LoRA (--lora-rank) only the adapters travel (`AdapterTransfer`): a few MB that every
+engine loads in place through vLLM's LoRA API; --lora-merge-sync sends merged full weights instead.
+vLLM is imported lazily: this module loads in the driver too."""
 
 import ray
 import torch
@@ -23,21 +20,19 @@ import torch
 from common import lora
 from common.errors import RunError
 from common.placement import actor_name, call
-from common.ring_attn import RING, enable_ring_attention
+from common.ring_attn import enable_ring_attention
 
 PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over the lazy dog."
 # Mean |log p_trainer - log p_engine| allowed on the probe's tokens, by the dtype both compute in.
-# CPU (fp32): ~1e-6 measured. bf16/fp16 kernels are expected to differ by a few 1e-2 (not measured
-# yet: every push logs the gap as perf/sync_probe_gap; docs/errors.md says how to set these from
-# it); a stale or unloaded layer differs by nats.
+# CPU (fp32): ~1e-6 measured. bf16/fp16 kernels should differ by a few 1e-2 (not measured yet: each
+# push logs it as perf/sync_probe_gap; docs/errors.md says how to set these); a stale layer: nats.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
 
 
 def sync_weights(trainers: list, engines: list, colocated: bool) -> tuple[int, float]:
-    """The driver's one call after each optimizer step: the trainers' weights into the engines,
-    checked. Colocated, the engines wake their weights' memory first and their KV cache after (the
-    IPC copies are freed in between); the check needs them awake. Returns the bytes sent to each
-    engine and the probe's gap (WeightSync.check)."""
+    """The driver's call after each optimizer step: the trainers' weights into the engines, checked;
+    returns the bytes sent per engine and the probe's gap. Colocated, the engines wake their
+    weights' memory, then (the IPC copies freed) their KV cache, which the check needs."""
     if colocated:
         call(engines, "wake_up", ["weights"])
     sent = call(trainers, "push_weights", watch=engines)  # an engine that dies in it: named
@@ -45,8 +40,7 @@ def sync_weights(trainers: list, engines: list, colocated: bool) -> tuple[int, f
         for i, awake in enumerate(call(engines, "wake_up", ["kv_cache"])):
             if not awake:
                 raise RunError(f"{actor_name(engines[i])}#{i} is still asleep after its wake-up")
-    gap = call(trainers, "check_weights", watch=engines)[0]  # rank 0 compares
-    return sent[0], gap
+    return sent[0], call(trainers, "check_weights", watch=engines)[0]  # rank 0 compares
 
 
 def choose_backend(use_gpu: bool, colocate: bool) -> str:
@@ -54,9 +48,8 @@ def choose_backend(use_gpu: bool, colocate: bool) -> str:
 
 
 class EngineClient:
-    """vLLM's `VLLMWeightSyncClient` protocol over our engine actors: fan every call out, wait for
-    all. With several engines in one NCCL/gloo group each needs its own ranks: engine i's workers
-    sit at 1 + i * tp ... (trainer rank 0 is the sender), so `rank_offset` is set per engine."""
+    """vLLM's `VLLMWeightSyncClient` over our engine actors, calls fanned out. In one NCCL/gloo
+    group engine i's workers are ranks 1 + i * tp ... (0: the trainer): `rank_offset` per engine."""
 
     def __init__(self, engines: list, tp: int):
         self.engines, self.tp, self.version = engines, tp, 0
@@ -129,15 +122,12 @@ class WeightSync:
 
     @torch.no_grad()
     def check(self) -> float | None:
-        """Every rank: the trainer's log-probabilities of the probe tokens (a forward, a collective
-        under FSDP2); rank 0: every engine's, under the weights just pushed. Too far apart: an error
-        naming the engine. Returns, on rank 0, the gap: the largest over the engines of the mean
-        |log p_trainer - log p_engine| (None on the other ranks)."""
+        """Every rank: the trainer's log p of the probe (a forward: collective under FSDP2); rank 0
+        returns the largest mean |log p_trainer - log p_engine| over the engines, others None."""
         # log p(token_i | tokens < i), i >= 1: a plain forward of one short row (no ring attention)
         ring = next((m.sp_group for m in self.model.modules() if hasattr(m, "sp_group")), None)
         training, _ = self.model.training, self.model.eval()  # no dropout (--lora-dropout)
-        if self.model.config._attn_implementation == RING:
-            enable_ring_attention(self.model, None)
+        enable_ring_attention(self.model, None)
         try:
             ids = torch.tensor([self.probe], device=next(self.model.parameters()).device)
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
@@ -167,10 +157,9 @@ def init_weight_sync(
     merge_lora: bool = False,
 ) -> WeightSync:  # fmt: skip
     """The trainer side of the weight sync, built on every trainer rank (a collective with the
-    engines). Rank 0 is the sender and rendezvouses with the engines at `address` (ip, port) here.
-    Weights travel in the engines' torch `dtype` (bf16 on GPU): half the bytes of fp32 weights.
-    A model with LoRA adapters sends only them, or with `merge_lora` its merged weights; either
-    way once here, before the engines generate (they loaded the base model only)."""
+    engines); rank 0, the sender, rendezvouses with the engines at `address`. Weights travel in the
+    engines' `dtype` (bf16 on GPU: half fp32's bytes). A model with LoRA adapters sends only them
+    (with `merge_lora` its merged weights), once here: the engines loaded the base model only."""
     probe = tokenizer(PROBE_TEXT).input_ids
     if lora.on(model) and not merge_lora:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -18,6 +18,7 @@ from conftest import REPO
 from safetensors.torch import save_file
 
 from common import placement
+from common.errors import parse_args
 
 SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
 RL = ["grpo", "dapo", "ppo", "grpo_async"]
@@ -347,6 +348,8 @@ def fake_run(tmp_path, script, model, ppo_critic=False, truncate=False, lora=Non
         (folder / weights).parent.mkdir(parents=True, exist_ok=True)
         save_file({"w": torch.zeros(64, 64)}, str(folder / weights))
         torch.save({"step": 1}, folder / "trainer_state.pt")
+    if ppo_critic:
+        (ckpt / "ppo_state.json").write_text(json.dumps({"kl_coef": 0.05}))
     if truncate:
         data = (ckpt / weights).read_bytes()
         (ckpt / weights).write_bytes(data[:-100])
@@ -448,11 +451,57 @@ def test_resume_keeps_the_lora_flags_of_the_run(run, tmp_path, tiny_model, name)
     message = run(name, "--resume", lora_run, "--lora-rank", "8")
     assert message == (
         "error: --resume: the run was made with --lora-target-modules q_proj,v_proj, not "
-        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+        "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"
     )
+    # the same modules in another order (or named twice) are the same adapters
+    run(name, "--resume", lora_run, "--lora-rank", "8", "--lora-target-modules",
+        "v_proj, q_proj,v_proj", reach_ray=True)  # fmt: skip
     cut = fake_run(tmp_path / "c", f"{name}.py", tiny_model, critic, truncate=True, lora=LORA_RUN)
     message = run(name, "--resume", cut, *same)
     assert message.endswith("step_1/adapter/adapter_model.safetensors is missing or truncated")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_keeps_the_runs_own_flags_and_says_what_it_changes(
+    tmp_path, tiny_model, capsys, name
+):
+    """A flag the resume does not give keeps what the run's command lines gave it (the first, then
+    each resume's up to the checkpoint), not the default: a resume without --save-every still
+    saves a final model that can be extended. What the resume changes is listed."""
+    module = importlib.import_module(name)
+    run_dir = fake_run(tmp_path, f"{name}.py", tiny_model)
+    first = {"args": {"model": tiny_model, "save_every": 1, "num_steps": 5, "seed": 1,
+                      "save_final": False, "learning_rate": 1e-3, "output_dir": "elsewhere"},
+             "script": f"{name}.py", "argv": [f"{name}.py", "--save-every", "1", "--num-steps=5",
+                                              "--learning-rate", "0.001", "--no-save-final", "--output-dir", "x"]}  # fmt: skip
+    resumed = {**first, "args": {**first["args"], "seed": 7}, "argv": [f"{name}.py", "--seed", "7"]}
+    later = {**first, "args": {**first["args"], "seed": 9}, "argv": [f"{name}.py", "--seed", "9"]}
+    for file, config in (
+        ("config.json", first),
+        ("config.resume_1.json", resumed),
+        ("config.resume_3.json", later),
+    ):  # fmt: skip  (step 3: after step_1)
+        (tmp_path / "old_run" / file).write_text(json.dumps(config))
+    args = parse_args(module.Args, ["--resume", run_dir, "--learning-rate", "0.002"])
+    assert (args.save_every, args.num_steps, args.seed, args.save_final) == (1, 5, 7, False)
+    assert args.learning_rate == 0.002 and args.output_dir == "runs"
+    out = capsys.readouterr().out
+    kept = "--num-steps 5, --save-every 1, --no-save-final, --seed 7"
+    assert f"resume: keeps the run's own {kept}" in out
+    assert "resume: changes --learning-rate 0.002 (was 0.001)" in out
+    assert "saves no model" not in out  # it saves: every step
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_run_that_saves_no_model_says_so(capsys, name):
+    module = importlib.import_module(name)
+    parse_args(module.Args, ["--no-save-final"])
+    assert (
+        "note: this run saves no model (--no-save-final, --save-every 0)" in capsys.readouterr().out
+    )
+    parse_args(module.Args, ["--no-save-final", "--save-every", "2"])
+    parse_args(module.Args, [])
+    assert "saves no model" not in capsys.readouterr().out
 
 
 def test_resume_says_which_step_it_continues_from(run, tmp_path, tiny_model, capsys):
@@ -631,3 +680,60 @@ def test_one_error_line_in_a_real_process(tmp_path):
         )
         assert "Traceback" not in stderr, name
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_flag_of_another_script_is_named_with_the_script_that_has_it(name):
+    """A flag this script lacks but a sibling has: the line names the scripts that have it (the
+    parent first) and, where the script says why, the reason; a typo of its own flag: the closest."""
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as e:
+        parse_args(
+            module.Args, ["--max-lag", "2"] if name != "grpo_async" else ["--reward-model", "x"]
+        )
+    message = str(e.value.code)
+    if name == "grpo_async":
+        assert message == (
+            "error: no flag --reward-model in grpo_async.py; ppo.py has it (python ppo.py --reward-model)"
+        )
+    else:
+        want = f"error: no flag --max-lag in {name}.py; grpo_async.py has it (python grpo_async.py --max-lag)"
+        assert message == want
+    with pytest.raises(SystemExit) as e:
+        parse_args(module.Args, ["--num-stepz", "2"])
+    assert (
+        str(e.value.code)
+        == "error: no flag --num-stepz (did you mean --num-steps?); --help lists them"
+    )
+
+
+def test_colocate_on_grpo_async_says_why_and_where_it_is():
+    for flag in ("--colocate", "--no-colocate"):
+        out = subprocess.run([sys.executable, "grpo_async.py", flag], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 1 and out.stderr.strip() == (
+            f"error: no flag {flag} in grpo_async.py: its engines generate while the trainers "
+            f"train, never asleep by turns; grpo.py, dapo.py, ppo.py have it (python grpo.py {flag})"
+        )
+
+
+def test_an_adapter_folder_as_model_says_what_to_pass(tmp_path):
+    from common.models import resolve_model
+
+    for folder in (tmp_path / "peft", tmp_path / "step_3"):  # PEFT's own folder, a LoRA step_N
+        inner = folder if folder.name == "peft" else folder / "adapter"
+        inner.mkdir(parents=True)
+        (inner / "adapter_config.json").write_text("{}")
+        with pytest.raises(SystemExit) as e:
+            resolve_model(str(folder))
+        assert str(e.value.code) == (
+            f"error: --model {str(folder)!r} holds LoRA adapters (PEFT's adapter_config.json), not "
+            "a model: a LoRA run's merged model is its checkpoints/final; to go on training the "
+            "adapters, --resume the run (with --model its base)"
+        )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        resolve_model(str(tmp_path / "empty"))
+    assert (
+        str(e.value.code) == f"error: model folder {str(tmp_path / 'empty')!r} has no config.json"
+    )

@@ -104,8 +104,8 @@ class Run:
 
 
 # grpo.py: the engine dies once everything is up (the first step's generation). grpo_async.py: a
-# trainer dies in a step (step 2 starts at once: its batch was generated during step 1), and
-# AsyncLLM's engine-core processes must go too (finish checks). A killed Trainer reaches the same
+# trainer dies while the driver waits for rollouts (step 2's rewards, slow on purpose): it is named
+# within seconds, and AsyncLLM's engine-core processes must go too (finish checks). A killed Trainer reaches the same
 # `call` in both scripts; a killed AsyncEngine is in test_grpo_async.py's end-to-end test.
 @pytest.mark.parametrize(
     "script,actor,after",
@@ -120,12 +120,24 @@ class Run:
     ],
 )
 def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, actor, after):
-    run = Run(
-        tiny_model, tmp_path, "--num-steps", "50", "--max-response-length", "48", script=script
-    )
+    flags = ()
+    if script == "grpo_async.py":  # the trainer dies while the driver waits for step 2's rewards
+        count = tmp_path / "calls"  # 2 test calls + step 1's 16 fast, then 20 s each
+        (tmp_path / "slow.py").write_text(
+            "import os, time\n"
+            "def r(response, answer):\n"
+            f"    with open({str(count)!r}, 'a') as f:\n"
+            "        f.write('.')\n"
+            f"    if os.path.getsize({str(count)!r}) > 18:\n"
+            "        time.sleep(20)\n"
+            "    return 0.0\n"
+        )
+        flags = ("--reward-fn", f"{tmp_path / 'slow.py'}:r")
+    run = Run(tiny_model, tmp_path / "runs", "--num-steps", "50", "--max-response-length", "48",
+              *flags, script=script)  # fmt: skip
     run.wait_for(after)
     run.kill(actor)
-    status, error = run.finish(within=60)
+    status, error = run.finish(within=25)  # not after the rewards the driver waits for
     assert status == 1 and f"{actor}#0 died during" in error, error
 
 
@@ -298,7 +310,7 @@ def test_a_full_disk_stops_a_save_cleanly_and_the_run_resumes_after(tiny_model, 
             f"error: no space left on the device to save {name}/checkpoints/step_2 ("
         ), full.stderr[-3000:]
         assert full.stderr.strip().endswith(
-            "the partial checkpoint was removed; the newest whole one stays resumable"
+            "the partial checkpoint is removed; the newest whole one stays resumable"
         )
         assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]
         check_weights(os.path.join(run_dir, "checkpoints", "step_1"), "checkpoint")
@@ -372,9 +384,122 @@ def test_ray_processes_of_another_run_are_named_before_ray_starts(tmp_path):
     standin = subprocess.Popen(["bash", "-c", "exec -a ray::Engine sleep 120"])
     try:
         time.sleep(0.5)
-        code = "from common import placement; print(placement.other_ray_processes())"
+        code = "from common import lifetime; print(lifetime.other_ray_processes())"
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
         assert f"ray::Engine (pid {standin.pid})" in out.stdout, out.stdout + out.stderr
     finally:
         standin.kill()
+
+
+def stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name ([0] state, [1] parent, [19] start time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes below `pid` now, as {pid: start time} (a pid reused later is not the same)."""
+    table = {int(p): s for p in filter(str.isdigit, os.listdir("/proc")) if (s := stat(int(p)))}
+    table = {p: (int(s[1]), s[19]) for p, s in table.items()}
+    found, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for p, (ppid, start) in table.items():
+            if ppid == parent and p not in found:
+                found[p] = start
+                todo.append(p)
+    return found
+
+
+def alive(procs: dict[int, str]) -> list[int]:
+    """Those of `procs` still running (same pid and start time, not a zombie)."""
+    return [
+        p for p, start in procs.items() if (s := stat(p)) and s[19] == start and s[0] not in "ZX"
+    ]
+
+
+def wait_for_phase(run: Run, title: str, timeout: float = 300) -> None:
+    """Until one of the run's processes runs `title` (Ray names a worker after the method it runs:
+    ray::Trainer.save, ray::Engine.generate, ...)."""
+    deadline = time.monotonic() + timeout
+    while not processes(run.marker, f"ray::{title}"):
+        assert run.proc.poll() is None, run.proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no ray::{title} within {timeout} s"
+        time.sleep(0.005)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(
+    "phase", ["Engine.__init__", "Engine.generate", "Trainer.train_step", "Trainer.push_weights",
+              "Trainer.save"],
+    ids=["start-up", "generation", "training", "sync", "save"],
+)  # fmt: skip
+def test_a_driver_killed_hard_leaves_nothing_running(tiny_model, tmp_path, phase):
+    """SIGKILL of the driver (SLURM after its grace period, the OOM killer) in each phase of a run:
+    within 10 s no process of the run is left: the private Ray instance's daemons and agents, the
+    trainers, the engines (common/lifetime.py's watchdog). Killed during a save, the newest
+    checkpoint left is whole and resumable."""
+    run = Run(tiny_model, tmp_path / "runs", "--num-steps", "50", "--save-every", "1")
+    wait_for_phase(run, phase)
+    procs = descendants(run.proc.pid)  # and the run's workers, whoever their parent is now
+    procs.update({p: stat(p)[19] for p in processes(run.marker) if stat(p)})
+    run.proc.kill()
+    run.proc.wait()
+    deadline = time.monotonic() + 10
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {p: open(f"/proc/{p}/cmdline", "rb").read()[:40] for p in alive(procs)}
+    assert not left, f"processes of the run still alive 10 s after the driver's SIGKILL: {left}"
+    if phase == "Trainer.save":
+        run_dir = only_run_dir(tmp_path / "runs")
+        found = os.path.isdir(os.path.join(run_dir, "checkpoints")) and [
+            n for n in os.listdir(os.path.join(run_dir, "checkpoints")) if not n.startswith(".")
+        ]
+        if found:  # the first save may be the one cut short: then there is none, whole or not
+            _, newest, _ = checkpoint.find_checkpoint(run_dir)
+            checkpoint.check(newest)  # whole: resumable
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-sigterm", "two-sigterms"])
+def test_a_save_cut_short_by_signals_never_leaves_a_folder_that_looks_whole(
+    tiny_model, tmp_path, signals
+):
+    """SIGTERM while the trainers write a checkpoint: the run stops with its line and the partial
+    folder is removed once no trainer writes into it any more. A second SIGTERM while it stops ends
+    it at once with a line of its own; the hidden partial folder it may leave is never taken for a
+    checkpoint, and the next run in the dir removes it. Nothing of the run is left running."""
+    run = Run(tiny_model, tmp_path / "runs", "--num-steps", "50", "--save-every", "1")
+    wait_for_phase(run, "Trainer.save")
+    procs = descendants(run.proc.pid)
+    run.proc.send_signal(signal.SIGTERM)
+    if signals == 2:
+        time.sleep(0.5)  # the first one has been taken: the run is stopping
+        run.proc.send_signal(signal.SIGTERM)
+    run.proc.wait(timeout=60)
+    stderr = run.proc.stderr.read()
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    want = ("error: stopped by SIGTERM" if signals == 1 else "error: stopped at once by a second "
+            "SIGTERM: a checkpoint being written is dropped, the newest whole one stays")  # fmt: skip
+    assert run.proc.returncode == 1 and lines == [want], stderr[-3000:]
+    run_dir = only_run_dir(tmp_path / "runs")
+    folder = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    for name in [n for n in names if not n.startswith(".")]:
+        checkpoint.check(os.path.join(folder, name))  # every visible checkpoint is whole
+    if signals == 1:
+        assert not [n for n in names if n.endswith(".partial")], names
+    import sft  # a resume of the run (its Run, the run dir's lock held) removes partial folders
+    from common.tracking import Run as RunDir
+
+    RunDir(sft.Args(), run_dir, resume_step=1)
+    assert not [n for n in os.listdir(folder) if n.endswith(".partial")] if names else True
+    deadline = time.monotonic() + 10
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {p: open(f"/proc/{p}/cmdline", "rb").read()[:40] for p in alive(procs)}
+    assert not left, f"processes of the run still alive 10 s after it stopped: {left}"

@@ -400,11 +400,36 @@ def test_grpo_on_two_nodes_trainer_and_engine_apart(tiny_model, tmp_path):
         cluster.shutdown()
 
 
+CLUSTER_DRIVER = """
+import os, sys, time, ray
+from common import placement
+placement.init_ray()
+@ray.remote(num_cpus=0)
+class Sleeper:
+    def pid(self):
+        return os.getpid()
+actor = Sleeper.remote()
+print("actor", ray.get(actor.pid.remote()), flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (an ended one not yet reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
 def test_a_ray_started_on_the_machine_is_left_alone_or_joined_on_purpose(tiny_model, tmp_path):
-    """Someone ran `ray start` here (docs/cluster.md's recipe does; it makes a token-authenticated
-    cluster). Without RAY_ADDRESS a script starts a private instance beside it and says so (Ray
-    would otherwise try to join it and refuse the script's CPU count with a traceback), leaving it
-    running; with RAY_ADDRESS and its token it joins it, and says that instead."""
+    """Someone ran `ray start` here, with token authentication (docs/cluster.md). Without
+    RAY_ADDRESS a script starts a private instance beside it and says so (Ray would otherwise try to
+    join it and refuse the script's CPU count with a traceback), leaving it running; with
+    RAY_ADDRESS and the token it joins it, and says that instead. A run joined to it and killed
+    with SIGKILL takes its own actors along within seconds, never another job's or the cluster's."""
+    import secrets
     import signal
     import socket
     import subprocess
@@ -413,13 +438,16 @@ def test_a_ray_started_on_the_machine_is_left_alone_or_joined_on_purpose(tiny_mo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     head = subprocess.Popen(
         [ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
          "--include-dashboard=false", "--disable-usage-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**env, **auth}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )  # fmt: skip
+    drivers = []
     try:
         for line in head.stdout:
             if "block forever" in line:
@@ -433,16 +461,63 @@ def test_a_ray_started_on_the_machine_is_left_alone_or_joined_on_purpose(tiny_mo
             "ray: a private local Ray instance (set RAY_ADDRESS to join a cluster)" in alone.stdout
         )
         assert head.poll() is None  # theirs still runs
-        code = "from common import placement; placement.init_ray()"
-        joined = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token"},
-        )  # fmt: skip
-        assert joined.returncode == 0, joined.stderr[-3000:]
-        assert f"ray: the Ray cluster at 127.0.0.1:{port} ($RAY_ADDRESS): 1 node" in joined.stdout
+        joined = {**env, **auth, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        pids = []
+        for _ in range(2):  # two jobs on the cluster, each with an actor
+            driver = subprocess.Popen([sys.executable, "-c", CLUSTER_DRIVER], cwd=REPO, env=joined,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            drivers.append(driver)
+            lines = []
+            for line in driver.stdout:
+                lines.append(line)
+                if line.startswith("actor "):
+                    break
+            assert lines and lines[-1].startswith("actor "), driver.stderr.read()[-3000:]
+            pids.append(int(lines[-1].split()[1]))
+        assert f"ray: the Ray cluster at 127.0.0.1:{port} ($RAY_ADDRESS): 1 node" in "".join(lines)
+        assert not any("not of this run" in line for line in lines)  # the cluster's own processes
+        drivers[0].kill()  # SIGKILL: its actor goes, the other job's stays, and the cluster
+        drivers[0].wait()
+        deadline = time.monotonic() + 10
+        while running(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(pids[0]), "the killed run's actor outlived it"
+        assert running(pids[1]) and head.poll() is None
     finally:
+        for driver in drivers:
+            driver.kill()
+            driver.wait()
         os.killpg(head.pid, signal.SIGKILL)  # `ray start` and everything it started
         head.wait()
         current = "/tmp/ray/ray_current_cluster"  # its address, which a plain ray.init would join
         if os.path.exists(current) and open(current).read().strip().endswith(f":{port}"):
             os.remove(current)
+
+
+def test_an_unreachable_ray_address_is_one_line_within_bounded_time():
+    """RAY_ADDRESS where nothing listens (refused at once) or where something listens that is not a
+    Ray head (Ray's own connect would retry for minutes): one `error:` line naming the address,
+    within POSTTRAIN_JOIN_TIMEOUT."""
+    import socket
+    import subprocess
+    import sys
+
+    code = "from common import placement; placement.init_ray()"
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            free = s.getsockname()[1]  # closed again below: nothing listens there
+        for port, says, limit in (
+            (free, "nothing answers at", 20),
+            (silent.getsockname()[1], "no answer within 3 s", 30),
+        ):
+            env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "POSTTRAIN_JOIN_TIMEOUT": "3"}
+            start = time.monotonic()
+            out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=limit)  # fmt: skip
+            assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+            line = out.stderr.strip().splitlines()[-1]
+            assert line.startswith(f"error: could not join the Ray cluster at 127.0.0.1:{port}")
+            assert says in line and time.monotonic() - start < limit

@@ -138,9 +138,11 @@ def test_sft_end_to_end_checkpoint_and_resume(tiny_model, tmp_path):
     # loss; with --no-save-final the final model of the first run stays as it was
     ckpt = os.path.join(run_dir, "checkpoints", "step_2")
     saved = os.stat(os.path.join(final, "config.json"))
-    flags = ("--num-steps", "3", "--resume", ckpt, "--no-save-final")
+    flags = ("--resume", ckpt, "--no-save-final")  # --num-steps and --save-every: the run's
     resumed = run_script("sft.py", *sft_args(tiny_model, tmp_path / "full", *flags))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume: keeps the run's own --num-steps 3, --save-every 2" in resumed.stdout
+    assert "resume: changes --no-save-final (was --save-final)" in resumed.stdout
     kept = os.stat(os.path.join(final, "config.json"))
     assert (kept.st_ino, kept.st_mtime_ns) == (saved.st_ino, saved.st_mtime_ns)
     assert "final model:" not in resumed.stdout
