@@ -587,9 +587,8 @@ def main(args: Args):
         return {"eval/accuracy": rewards.mean().item()}
 
     console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
-    console += ("rollout/lag_mean",)  # ASYNC
+    console += ("rollout/lag_mean",)  # ASYNC: + the lag; end_step logs per-token weight versions
 
-    # ASYNC: + each response's per-token weight versions, logged with the samples
     def end_step(done: int, metrics: dict, batch: list, texts: list, rewards, versions: list):
         """Evaluate (every --eval-every steps and after the last), log the metrics and the first two
         groups as samples, and save a resumable checkpoint every --save-every steps."""
@@ -612,11 +611,10 @@ def main(args: Args):
         run.log(0, first, console)
     run.start_progress(args.num_steps, resume_step)
     rollouts = Rollouts(engines, prompts["train"], resume_step, args, (reward_function, model_path))
-    rollouts.idle = trainers  # watched while the driver waits for rollouts: one that dies is named
     before, phases = rollouts.engine_stats(), []  # ASYNC: phases (start, data, trained, synced)
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
-        batch, outs, texts, rewards = rollouts.take(step)  # ASYNC: sampled and scored meanwhile
+        batch, outs, texts, rewards = rollouts.take(step, trainers)  # ASYNC: scored meanwhile
         t_gen = time.time()
 
         # ALGO LOGIC: rewards and advantages, per group; the values each trained token carries
@@ -713,7 +711,6 @@ class Rollouts:
         self.start = start  # the engines label their weights from 0
         self.sent = start * self.B  # groups sent: the stream's position
         self.queue = []  # (prompt, group, scores, engine and worker k) in the order sent
-        self.idle = []  # actors to watch while take() waits (the trainers)
         self.fill(start)
 
     def fill(self, version: int):
@@ -731,13 +728,13 @@ class Rollouts:
             self.queue.append((prompt, group, scores, k))
             self.sent += 1
 
-    def take(self, step: int) -> tuple[list[Prompt], list[list[dict]], list[str], torch.Tensor]:
-        """The step's B groups (batch, outs) with their texts and (B*G,) rewards, waited for in the
-        order sent. Versions become step numbers here; is_stale would mean a broken lag bound."""
+    def take(self, step: int, watch: list) -> tuple[list, list, list[str], torch.Tensor]:
+        """The step's B groups (batch, outs), their texts and (B*G,) rewards, in the order sent
+        (`watch`: checked meanwhile). Versions become steps here; is_stale: a broken lag bound."""
         taken, self.queue = self.queue[: self.B], self.queue[self.B :]
         names = [f"AsyncEngine#{t[3]}" for t in taken], [f"RewardWorker#{t[3]}" for t in taken]
-        outs = wait_all([t[1] for t in taken], names[0], "generate", watch=self.idle)
-        scored = wait_all([t[2] for t in taken], names[1], "score", watch=self.idle)
+        outs = wait_all([t[1] for t in taken], names[0], "generate", watch=watch)
+        scored = wait_all([t[2] for t in taken], names[1], "score", watch=watch)
         texts, rewards = [t for s in scored for t in s[0]], [r for s in scored for r in s[1]]
         for (group,) in outs:  # one prompt per call
             for s in group:
@@ -887,6 +884,5 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     return trainers, engines
 
 
-if __name__ == "__main__":  # ASYNC: a flag of grpo.py not here says why
-    why = {"--colocate": "its engines generate while the trainers train, never asleep by turns"}
-    main(parse_args(Args, not_here=why))
+if __name__ == "__main__":
+    main(parse_args(Args))

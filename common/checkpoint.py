@@ -124,9 +124,8 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
 
 
 def keep_run_settings(args, given: set[str], script: str) -> None:
-    """--resume: a flag the resume does not give keeps the value the run's own command lines gave
-    it (config.json's argv, then each config.resume_N.json's up to the step), so a resume goes on
-    as the run went (--save-every, --num-steps, LoRA); what it changes is printed (lists: sets)."""
+    """--resume: a flag not given keeps what the run's command lines gave it (config.json's argv,
+    then config.resume_N.json's up to the step); what a resume changes is printed (lists: sets)."""
     try:
         run_dir, _, step = find_checkpoint(args.resume)
         found = [re.fullmatch(r"config\.resume_(\d+)\.json", n) for n in os.listdir(run_dir)]
@@ -143,6 +142,13 @@ def keep_run_settings(args, given: set[str], script: str) -> None:
     kept = sorted(kept & fields & set(saved) - given)
     for name in kept:
         setattr(args, name, saved[name])
+
+    def shown(name, value):  # as a command line gives it: --lr 0.001, --no-save-final
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            return flag if value else "--no-" + flag[2:]
+        return f"{flag} {value}"
+
     norm = lambda v: set(map(str.strip, v.split(","))) if isinstance(v, str) else v  # noqa: E731
     was = lambda n: shown(n, saved[n]) if isinstance(saved[n], bool) else saved[n]  # noqa: E731
     now = {n: getattr(args, n) for n in sorted(given & fields & set(saved))}
@@ -151,12 +157,6 @@ def keep_run_settings(args, given: set[str], script: str) -> None:
         print("resume: keeps the run's own " + ", ".join(shown(n, saved[n]) for n in kept))
     if changed:
         print("resume: changes " + ", ".join(changed))
-
-
-def shown(name: str, value) -> str:
-    """A flag as a command line gives it: --lr 0.001, --no-save-final."""
-    flag = name.replace("_", "-")
-    return f"--{'' if value else 'no-'}{flag}" if isinstance(value, bool) else f"--{flag} {value}"
 
 
 def flag_names(argv: list[str]) -> set[str]:

@@ -17,10 +17,8 @@ import tempfile
 import ray
 
 from common.errors import InputError
-from common.lora import VLLM_RANKS, write_adapter
 from common.memory import GiB, engine_memory, shape_of
 from common.placement import Slot, wait_all, wait_started
-from common.precision import compute_dtype
 
 # vLLM's warnings reach the terminal (a setting it overrode, a kernel it fell back from), less the
 # KnownWarnings; its info lines do not. To see them:
@@ -61,6 +59,9 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None,
     one adapter of that rank and targets. `dtype`: the run's, checked on this GPU."""
     import torch
     from vllm.config import WeightTransferConfig
+
+    from common.lora import VLLM_RANKS  # lazy, as transformers: actors that only place import this
+    from common.precision import compute_dtype
 
     on_gpu = torch.cuda.is_available()
     dtype = compute_dtype(torch.device("cuda" if on_gpu else "cpu"), dtype)
@@ -197,6 +198,8 @@ class Adapter:
         atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
 
     def write(self, tensors: dict, config: dict) -> None:
+        from common.lora import write_adapter
+
         write_adapter(self.folder, tensors, config)
         self.written = True
 

@@ -12,13 +12,14 @@ import difflib
 import math
 import operator
 import os
+import pathlib
 import re
 import signal
 import sys
 import threading
 import typing
 
-from common.lifetime import stop_now
+from common.lifetime import REPO, stop_now
 
 
 class InputError(SystemExit):
@@ -66,9 +67,9 @@ def check_ranges(args) -> None:
                 raise InputError(f"{flag} must be {rule} (got {value})")
 
 
-def parse_args(args_cls, argv: list[str] | None = None, not_here: dict | None = None):
+def parse_args(args_cls, argv: list[str] | None = None):
     """tyro.cli, with one `error:` line (exit status 1) where tyro would print a box and exit 2: a
-    flag not in Args (`not_here`: why a sibling's flag is not here), a flag without its value, a
+    flag not in Args (or in a sibling's: no_flag), a flag without its value, a
     number that is not one. Parsing sys.argv, it also makes SIGTERM and Ctrl-C end the run with one
     line from here on. A --resume keeps the run's own flags (checkpoint.keep_run_settings)."""
     import tyro
@@ -76,7 +77,7 @@ def parse_args(args_cls, argv: list[str] | None = None, not_here: dict | None = 
     if argv is None:
         stop_on_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
-    me = os.path.basename(getattr(sys.modules.get(args_cls.__module__), "__file__", "") or "")
+    me = getattr(sys.modules.get(args_cls.__module__), "__file__", "") or ""  # the script
     hints = typing.get_type_hints(args_cls)
     kinds = {"--" + f.name.replace("_", "-"): hints[f.name] for f in dataclasses.fields(args_cls)}
     kinds |= {"--no-" + flag[2:]: bool for flag, kind in kinds.items() if kind is bool}
@@ -87,7 +88,7 @@ def parse_args(args_cls, argv: list[str] | None = None, not_here: dict | None = 
         if not flag.startswith("--") or flag == "--help":
             continue  # -h, --help and anything else: tyro's
         if flag not in kinds:
-            raise InputError(no_flag(flag, kinds, me, not_here or {}))
+            raise InputError(no_flag(flag, kinds, me))
         if kinds[flag] is bool:
             continue
         if not eq:
@@ -99,30 +100,31 @@ def parse_args(args_cls, argv: list[str] | None = None, not_here: dict | None = 
     from common import checkpoint  # it imports this module
 
     if getattr(args, "resume", None):
-        checkpoint.keep_run_settings(args, checkpoint.flag_names(argv), me)
+        checkpoint.keep_run_settings(args, checkpoint.flag_names(argv), os.path.basename(me))
     if getattr(args, "save_final", True) is False and getattr(args, "save_every", 1) == 0:
         print("note: this run saves no model (--no-save-final, --save-every 0): what it learns is "
               "lost when it ends; keep final/ or pass --save-every N to keep it")  # fmt: skip
     return args
 
 
-def no_flag(flag: str, kinds: dict, me: str, not_here: dict) -> str:
-    """The line for a flag script `me` lacks: the scripts beside it that have it (their Args read as
-    text, not imported), why it is not here where the script says, or the closest of its own."""
+def no_flag(flag: str, kinds: dict, script: str) -> str:
+    """The line for a flag `script` lacks: the scripts that have it (Args read as text) and why not
+    here where its Args say (`# ... no --flag: why`); else the closest of its own."""
+    args_text = lambda path: pathlib.Path(path).read_text(errors="replace").partition(  # noqa: E731
+        "\nclass Args:")[2].partition("\n\n\n")[0]  # fmt: skip
+
     name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag[2:]
     field = re.compile(rf"^    {name.replace('-', '_')}: ", re.M)
-    repo, have = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), []
-    for script in sorted(os.listdir(repo), key=lambda s: (s != "grpo.py", s)):  # the parent first
-        if script.endswith(".py") and script != me:
-            with open(os.path.join(repo, script), encoding="utf-8", errors="replace") as f:
-                args = f.read().partition("\nclass Args:")[2].partition("\n\n\n")[0]
-            have += [script] if field.search(args) else []
+    have = [s for s in sorted(os.listdir(REPO), key=lambda s: (s != "grpo.py", s))  # parent first
+            if s.endswith(".py") and s != os.path.basename(script)
+            and field.search(args_text(os.path.join(REPO, s)))]  # fmt: skip
     if not have:
         close = difflib.get_close_matches(flag, kinds, n=1)
         return f"no flag {flag}{f' (did you mean {close[0]}?)' if close else ''}; --help lists them"
-    why = f": {not_here[f'--{name}']}" if f"--{name}" in not_here else ""
-    return (f"no flag {flag} in {me or 'this script'}{why}; {', '.join(have)} "
-            f"{'has' if len(have) == 1 else 'have'} it (python {have[0]} {flag})")  # fmt: skip
+    why = re.search(rf"# .*\bno --{name}: (.+)", args_text(script)) if script else None
+    here = os.path.basename(script) + (f": {why[1]}" if why else "")
+    has = ", ".join(have) + (" has" if len(have) == 1 else " have")
+    return f"no flag {flag} in {here}; {has} it (python {have[0]} {flag})"
 
 
 def _check_number(flag: str, kind, value: str) -> None:

@@ -24,8 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the watchd
 
 
 def mark_run() -> str:
-    """Give this run its marker (KEY=value, for Ray's runtime_env: the actors) and start its
-    watchdog (this module, run apart, not marked)."""
+    """The run's marker (KEY=value, for the actors' runtime_env); starts its watchdog (unmarked)."""
     if os.environ.get(MARKER, "").startswith(f"{os.getpid()}-"):  # marked already (Ray restarted)
         return f"{MARKER}={os.environ[MARKER]}"
     marker = f"{MARKER}={os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -40,10 +39,9 @@ def mark_run() -> str:
 
 
 def run_processes(marker: str = "", seen: dict | None = None) -> list[int]:
-    """This run's processes on this node: those below this process (a private Ray instance's
-    daemons, agents and workers) or below `seen` (the watchdog's record of them: Ray renames its
-    processes, which can blank their /proc environment), and those with the run's marker (a
-    cluster's workers running its actors). Ended ones and the watchdog aside."""
+    """This run's processes on this node: below this one (a private Ray instance's) or below `seen`
+    (the watchdog's record: Ray renames processes, which can blank their /proc environment), and
+    those with the run's marker (a cluster's workers with its actors); not ended ones or its own."""
     live, marker = _live(), (marker or f"{MARKER}={os.environ.get(MARKER)}").encode()
     found = {int(p) for p in _proc("environ", lambda env: marker in env.split(b"\0"))}
     roots = [p for p, start in (seen or {}).items() if live.get(p, (0, b""))[1] == start]
@@ -68,8 +66,7 @@ def _below(roots: list[int], live: dict) -> dict[int, bytes]:
 
 
 def other_ray_processes() -> list[str]:
-    """Each Ray worker process on this machine (Linux), as "ray::Engine (pid 123)": before this run
-    starts Ray, another run's, or the leftovers of a driver killed with SIGKILL."""
+    """The Ray worker processes on this machine as "ray::Engine (pid 123)": another run's, say."""
     found = _proc("cmdline", lambda cmd: cmd.startswith(b"ray::"))
     names = {pid: cmd.split(b"\0")[0].decode(errors="replace") for pid, cmd in found.items()}
     return [f"{name} (pid {pid})" for pid, name in names.items()]
@@ -107,9 +104,8 @@ def after_end(fn) -> None:
 
 
 def end_ray(shutdown: bool = True) -> None:
-    """At exit: stop Ray (a cluster ends this driver's actors), wait until no process of this run
-    is left on this node (SIGKILL after 10 s), then run what waited for that (after_end). Without
-    `shutdown` (a signal, a private instance), stop the processes at once (grace 1 s) instead."""
+    """At exit: stop Ray, wait for the run's processes to end (SIGKILL after 10 s), run what waited
+    for that (after_end). Without `shutdown` (a signal): stop the processes at once (1 s grace)."""
     if shutdown and (ray := sys.modules.get("ray")) and ray.is_initialized():
         ray.shutdown()
     deadline = time.monotonic() + (10 if shutdown else 0)
@@ -121,9 +117,8 @@ def end_ray(shutdown: bool = True) -> None:
 
 
 def stop_now(line: str) -> None:
-    """A signal's end of the run: its processes stopped (a private instance's by this process, not
-    by Ray's shutdown, whose C code puts SIGTERM back to its default action: a second signal must
-    still find the handler), what waited for that, the `line`, and the exit (status 1)."""
+    """A signal's end: the run's processes stopped (not by Ray's shutdown: its C code resets
+    SIGTERM, and a second signal must find the handler), the `line`, and exit status 1."""
     end_ray(shutdown="RAY_ADDRESS" in os.environ)
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -131,9 +126,8 @@ def stop_now(line: str) -> None:
 
 
 def join_cluster(address: str, where: str, opts: dict) -> None:
-    """ray.init(address), or one line: nothing listens there (asked first, 5 s), the cluster wants
-    its token, or no answer within $POSTTRAIN_JOIN_TIMEOUT s (30; Ray's own connect retries for
-    minutes)."""
+    """ray.init(address), or one line: nothing listens (a 5 s TCP check), no token, or no answer
+    within $POSTTRAIN_JOIN_TIMEOUT s (30; Ray's own connect would retry for minutes)."""
     import ray
 
     from common.errors import InputError  # common.errors imports this module
@@ -155,8 +149,7 @@ def join_cluster(address: str, where: str, opts: dict) -> None:
         print(f"error: could not join {where}: {why}", file=sys.stderr, flush=True)
         os._exit(1)
 
-    timer = threading.Timer(limit, too_long)
-    timer.start()
+    (timer := threading.Timer(limit, too_long)).start()
     try:
         ray.init(address=address, **opts)
     except (ConnectionError, RuntimeError) as e:

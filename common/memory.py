@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common.errors import InputError
 from common.precision import BYTES, SHORT, first_gpu
@@ -43,6 +42,8 @@ def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
     """The Shape of a model with this config (HF config or model folder), built on the meta device:
     exact counts, no memory used. head "lm": causal LM, "score": one-label classifier. `lora`: its
     adapters' (rank, target names): r (in + out) per adapted linear layer, a score head whole."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
     config = AutoConfig.from_pretrained(config) if isinstance(config, str) else config
     if head != "lm":
         config = copy.deepcopy(config)

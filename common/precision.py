@@ -14,7 +14,6 @@ import os
 import subprocess
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from common.errors import InputError
 
@@ -86,6 +85,8 @@ def compute_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
 
 def mixed_precision(dtype: torch.dtype):
     """FSDP2's policy: compute in `dtype`, keep the master weights and reduce gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # not on import: the engines' side
+
     if dtype == torch.float32:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

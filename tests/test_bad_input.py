@@ -712,8 +712,8 @@ def test_colocate_on_grpo_async_says_why_and_where_it_is():
         out = subprocess.run([sys.executable, "grpo_async.py", flag], cwd=REPO, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
         assert out.returncode == 1 and out.stderr.strip() == (
-            f"error: no flag {flag} in grpo_async.py: its engines generate while the trainers "
-            f"train, never asleep by turns; grpo.py, dapo.py, ppo.py have it (python grpo.py {flag})"
+            f"error: no flag {flag} in grpo_async.py: the engines generate while the trainers "
+            f"train, so they cannot share GPUs; grpo.py, dapo.py, ppo.py have it (python grpo.py {flag})"
         )
 
 
