@@ -728,7 +728,7 @@ class Rollouts:
             self.queue.append((prompt, group, scores, k))
             self.sent += 1
 
-    def take(self, step: int, watch: list) -> tuple[list, list, list[str], torch.Tensor]:
+    def take(self, step: int, watch=()) -> tuple[list, list, list[str], torch.Tensor]:
         """The step's B groups (batch, outs), their texts and (B*G,) rewards, in the order sent
         (`watch`: checked meanwhile). Versions become steps here; is_stale: a broken lag bound."""
         taken, self.queue = self.queue[: self.B], self.queue[self.B :]
