@@ -30,22 +30,20 @@ from typing import Annotated, Literal, NamedTuple
 
 import ray
 import torch
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
-# call says where it lives. The names below are what the math, the actor and the loop use.
+# call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, lora, memory, models, placement, tracking, weight_sync
 from common.data import response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
-from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
-from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
+from common.precision import choose_dtype
 from common.rewards import call_reward
-from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 from common.tracking import Run
+from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
 
 
@@ -174,35 +172,8 @@ class Args:
     """send the engines merged full weights instead of the adapters (models vLLM has no LoRA for)"""
 
 
-# ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
-def load_policy(
-    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None, dtype="auto"
-) -> torch.nn.Module:
-    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
-    head).
-
-    The model is built on the meta device and sharded before any weight exists; then rank 0 reads
-    the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
-    weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16 below
-    compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
-    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
-    the sharding and trained alone (common/lora.py), read from `path` on --resume.
-    """
-    base = adapters.base if adapters else path
-    compute = compute_dtype(device, dtype)  # fp32 on CPU
-    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device, compute))
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if adapters:
-        adapters.add(model, compute)  # the frozen base in the compute dtype
-    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    load_weights(model, AutoModelForCausalLM, base, device, adapters)
-    return model
-
-
+# ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
+# common/trainer.py's load_policy).
 def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
@@ -419,142 +390,56 @@ def make_sequence(prompt: list[int], response: list[int], **per_response) -> dic
     return seq
 
 
-# TRY NOT TO MODIFY: the trainer actor (one per rank).
-@ray.remote
-class Trainer:
-    def __init__(self, args: Args, model_path: str, ref_path: str, rank, world, addr, port):
-        self.args, self.rank, self.world_size = args, rank, world
-        self.device = placement.init_distributed(rank, world, addr, port)
-        torch.manual_seed(args.seed)
-        # --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
-        adapters = lora.adapters(args, ref_path, model_path)
-        self.model = load_policy(
-            model_path, self.device, args.gradient_checkpointing, adapters, args.dtype
-        )
-        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
-        self.sp = sp_groups(world, args.sp_size)
-        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        # π_ref: a frozen copy of the starting model (ref_path; model_path is the checkpoint on
-        # --resume), if the loss has a KL term; with LoRA the policy with its adapters off
-        self.frozen = {name: self.frozen_model(ref_path, adapters) for name in frozen_models(args)}
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapters only
-            args.learning_rate,
-            betas=(0.9, 0.95),
-            weight_decay=args.weight_decay,
-        )
-        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
-
-    def frozen_model(self, path: str, adapters):
-        if adapters:  # no second copy
-            return lora.Disabled(self.model)
-        frozen = load_policy(path, self.device, False, dtype=self.args.dtype)
-        frozen.eval().requires_grad_(False)
-        enable_ring_attention(frozen, self.sp.group)
-        return frozen
-
-    def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = compute_dtype(self.device, self.args.dtype)  # the engines'
-        sender, tp, merge = (
-            (self.rank, (addr, port)),
-            self.args.engine_tp,
-            self.args.lora_merge_sync,
-        )
-        self.weight_sync = weight_sync.init_weight_sync(
-            self.model, self.tokenizer, engines, backend, *sender, tp, dtype, merge
-        )
-
-    def push_weights(self) -> int:
-        return self.weight_sync.push()  # the bytes each engine received
-
-    def check_weights(self) -> float | None:
-        # the engines serve what was pushed, or the run stops naming one; rank 0 returns the gap
-        return self.weight_sync.check()
-
-    def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
-        """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums to the
-        driver."""
-        args, stats = self.args, defaultdict(float)
-        sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
-        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]
-        one_update = args.num_minibatches * args.num_epochs == 1
-        with torch.no_grad():
-            for mb in [mb for mini in minibatches for mb in mini]:
-                # every per-token value the loop gave make_sequence, at the response tokens
-                mb["values"] = values = response_values(mb)
+# ALGO LOGIC: the update, run on every trainer rank (common/trainer.py's shell holds the model, the
+# frozen π_ref and the optimizer): π_θold, π_ref, the loss, backward, the stats.
+def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
+    """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums to the
+    driver."""
+    args, model, stats = trainer.args, trainer.model, defaultdict(float)
+    sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
+    minibatches = [[trainer.local_part(mb) for mb in mini] for mini in minibatches]
+    one_update = args.num_minibatches * args.num_epochs == 1
+    with torch.no_grad():
+        for mb in [mb for mini in minibatches for mb in mini]:
+            # every per-token value the loop gave make_sequence, at the response tokens
+            mb["values"] = values = response_values(mb)
+            inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+            for name, frozen in trainer.frozen.items():  # ref_logprobs: π_ref's
+                values[name] = compute_logprobs(frozen, *inputs, *sampled)
+            if not one_update:  # π_θold: the policy before this step's first update
+                values["old_logprobs"] = compute_logprobs(model, *inputs, *sampled)
+    model.train()
+    for epoch in range(args.num_epochs):
+        for mini in minibatches:
+            for i, mb in enumerate(mini):
+                # reduce-scatter gradients after the minibatch's last micro-batch only
+                model.set_requires_gradient_sync(i == len(mini) - 1)
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                for name, frozen in self.frozen.items():  # ref_logprobs: π_ref's
-                    values[name] = compute_logprobs(frozen, *inputs, *sampled)
-                if not one_update:  # π_θold: the policy before this step's first update
-                    values["old_logprobs"] = compute_logprobs(self.model, *inputs, *sampled)
-        self.model.train()
-        for epoch in range(args.num_epochs):
-            for mini in minibatches:
-                for i, mb in enumerate(mini):
-                    # reduce-scatter gradients after the minibatch's last micro-batch only
-                    self.model.set_requires_gradient_sync(i == len(mini) - 1)
-                    inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                    logprobs = compute_logprobs(self.model, *inputs, *sampled)  # (N,)
-                    values = dict(mb["values"])
-                    if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
-                        values["old_logprobs"] = logprobs.detach()
-                    loss, token_stats = compute_loss(logprobs, values, args)
-                    # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
-                    real = mb["loss_scale"].item()
-                    loss = loss * mb["loss_scale"]
-                    # FSDP averages over ranks: undo it; float16: × the loss scale S
-                    self.loss_scale.backward(loss * self.world_size)
-                    stats["loss"] += loss.item()
-                    stats["tokens"] += len(logprobs) * real
-                    for key, value in token_stats.items():
-                        stats[key] += value.item() * real
-                    # trainer vs engine, before any update: do they hold the same weights?
-                    if epoch == 0 and real and len(logprobs) and "engine_logprobs" in values:
-                        diff = (values["old_logprobs"] - values["engine_logprobs"]).abs()
-                        stats["logprob_diff_sum"] += diff.sum().item()
-                        stats["logprob_diff_max"] = max(
-                            stats["logprob_diff_max"], diff.max().item()
-                        )
-                stats["grad_norms"] += self.optimizer_step(step)
-        if self.args.colocate:  # hand the cached memory back: the colocated engine wakes up next
-            torch.cuda.empty_cache()
-        stats["lr"] = self.optimizer.param_groups[0]["lr"]
-        return dict(stats)
-
-    def local_part(self, mb: dict) -> dict:
-        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks."""
-        mb = {k: v.to(self.device) for k, v in mb.items()}
-        return shard_micro_batch(mb, self.sp.rank, self.sp.size)
-
-    def optimizer_step(self, step: int) -> float:
-        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. float16: the gradients are
-        unscaled first, and an overflow skips the update and lowers the loss scale (common/
-        precision.py). Returns the norm (0 for a skipped update)."""
-        self.loss_scale.unscale(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if self.loss_scale.skip(grad_norm, step):
-            self.optimizer.zero_grad(set_to_none=True)
-            return 0.0
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
-
-    def save(self, path: str, step: int, with_optimizer: bool):
-        # every rank gathers its shards, rank 0 writes
-        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
-
-    def load_optimizer(self, path: str):
-        checkpoint.load_optimizer(self.model, self.optimizer, path)
+                logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
+                values = dict(mb["values"])
+                if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
+                    values["old_logprobs"] = logprobs.detach()
+                loss, token_stats = compute_loss(logprobs, values, args)
+                # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
+                real = mb["loss_scale"].item()
+                loss = loss * mb["loss_scale"]
+                # FSDP averages over ranks: undo it; float16: × the loss scale S
+                trainer.loss_scale.backward(loss * trainer.world_size)
+                stats["loss"] += loss.item()
+                stats["tokens"] += len(logprobs) * real
+                for key, value in token_stats.items():
+                    stats[key] += value.item() * real
+                # trainer vs engine, before any update: do they hold the same weights?
+                if epoch == 0 and real and len(logprobs) and "engine_logprobs" in values:
+                    diff = (values["old_logprobs"] - values["engine_logprobs"]).abs()
+                    stats["logprob_diff_sum"] += diff.sum().item()
+                    stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
+            stats["grad_norms"] += trainer.optimizer_step(step)
+    stats["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    return dict(stats)
 
 
 def main(args: Args):
@@ -648,7 +533,7 @@ def main(args: Args):
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
             sequences.append((batch[i // G].ids, s["token_ids"], values))
         shares = plan_minibatches(sequences, step, args)  # with loss_weights: the aggregation
-        results = call(trainers, "train_step", step, per_rank=shares)
+        results = call(trainers, train_step, step, per_rank=shares)
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
@@ -836,7 +721,8 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path
-    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, policy, model_path)
+    shell = trainer_shell(args, policy, model_path)
+    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *shell)
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
         pg, layout.engines, model_path=model_path if args.lora_rank else policy, seed=args.seed,
@@ -846,8 +732,19 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
         memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
     )  # fmt: skip
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
-    call(trainers, "init_weight_sync", engines, backend, addr, port)
+    sync = (args.engine_tp, args.lora_merge_sync)
+    call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)
     return trainers, engines
+
+
+def trainer_shell(args: Args, *paths: str) -> tuple:
+    """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
+    policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
+    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
+                    gradient_checkpointing=args.gradient_checkpointing, frozen=frozen_models(args),
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    max_grad_norm=args.max_grad_norm, colocate=args.colocate)  # fmt: skip
+    return load_policy, paths, settings, args
 
 
 if __name__ == "__main__":

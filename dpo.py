@@ -34,19 +34,18 @@ from typing import Annotated, Literal
 import ray
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
-# call says where it lives. The names below are what the math, the actor and the loop use.
+# call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
-from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
-from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
-from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
+from common.precision import choose_dtype
+from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch
 from common.tracking import Run
+from common.trainer import Trainer, load_policy
 
 
 @dataclass
@@ -144,35 +143,8 @@ class Args:
     """comma-separated linear layers of each decoder layer that get adapters"""
 
 
-# ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
-def load_policy(
-    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None, dtype="auto"
-) -> torch.nn.Module:
-    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
-    head).
-
-    The model is built on the meta device and sharded before any weight exists; then rank 0 reads
-    the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
-    weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16 below
-    compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
-    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
-    the sharding and trained alone (common/lora.py), read from `path` on --resume.
-    """
-    base = adapters.base if adapters else path
-    compute = compute_dtype(device, dtype)  # fp32 on CPU
-    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device, compute))
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if adapters:
-        adapters.add(model, compute)  # the frozen base in the compute dtype
-    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    load_weights(model, AutoModelForCausalLM, base, device, adapters)
-    return model
-
-
+# ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
+# common/trainer.py's load_policy).
 def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
@@ -337,106 +309,60 @@ def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_token
     return [[t for t in row[width:].tolist() if t not in stop] for row in out]
 
 
-# TRY NOT TO MODIFY: the trainer actor (one per rank).
-@ray.remote
-class Trainer:
-    def __init__(self, args: Args, model_path: str, ref_path: str, rank, world, addr, port):
-        self.args, self.rank, self.world_size = args, rank, world
-        self.device = placement.init_distributed(rank, world, addr, port)
-        torch.manual_seed(args.seed)
-        # --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
-        adapters = lora.adapters(args, ref_path, model_path)
-        self.model = load_policy(
-            model_path, self.device, args.gradient_checkpointing, adapters, args.dtype
-        )
-        if adapters:  # π_ref: the policy with its adapters off, no second copy
-            self.ref = lora.Disabled(self.model)
-        else:  # π_ref: the start model, also on --resume (model_path is then the checkpoint)
-            self.ref = load_policy(ref_path, self.device, False, dtype=args.dtype)
-            self.ref.eval().requires_grad_(False)
-        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
-        self.sp = sp_groups(world, args.sp_size)
-        for model in (self.model, self.ref):
-            enable_ring_attention(model, self.sp.group)  # a no-op when --sp-size is 1
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
-        lr, decay = args.learning_rate, args.weight_decay
-        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
-        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
+@torch.no_grad()
+def generate(trainer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy completions of this rank's prompts, each whole here (ring attention off)."""
+    trainer.model.eval()
+    enable_ring_attention(trainer.model, None)
+    args = (trainer.tokenizer, prompts, max_new_tokens, trainer.world_size > 1)
+    out = greedy_completions(trainer.model, *args)
+    enable_ring_attention(trainer.model, trainer.sp.group)
+    return out
 
-    def pair_losses(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch
-        of pairs."""
-        mb = {k: v.to(self.device) for k, v in mb.items()}
-        mb["seq_index"] = (mb["positions"] == 0).cumsum(1) - 1  # (1, T) each token's sequence
-        mb["num_seqs"] = mb["seq_index"][0, -1] + 1
-        mb = shard_micro_batch(mb, self.sp.rank, self.sp.size)  # this rank's part of every row
-        return compute_pair_losses(self.model, self.ref, mb, self.args, self.sp.group)
 
-    def train_step(self, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
-        """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
-        self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.args)
-        stats = {}
-        for i, mb in enumerate(micro_batches):
-            # reduce-scatter gradients after the last micro-batch only
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            losses, rewards = self.pair_losses(mb)
-            loss = losses.sum() * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
-            # the mean over the global batch's pairs; FSDP averages over ranks: undo it. SP: each
-            # rank gets the gradient of its own tokens
-            self.loss_scale.backward(loss * self.world_size / num_pairs)
-            for key, value in pair_stats(losses.detach(), rewards).items():
-                stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
-        grad_norm = self.optimizer_step(step)
-        return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
+# ALGO LOGIC: the update and the evaluation, run on every trainer rank (common/trainer.py's shell
+# holds the model, the frozen π_ref and the optimizer).
+def pair_losses(trainer, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch of
+    pairs."""
+    mb = {k: v.to(trainer.device) for k, v in mb.items()}
+    mb["seq_index"] = (mb["positions"] == 0).cumsum(1) - 1  # (1, T) each token's sequence
+    mb["num_seqs"] = mb["seq_index"][0, -1] + 1
+    sp = trainer.sp
+    mb = shard_micro_batch(mb, sp.rank, sp.size)  # this rank's part of every row
+    ref = trainer.frozen["ref_logprobs"]  # π_ref
+    return compute_pair_losses(trainer.model, ref, mb, trainer.args, sp.group)
 
-    @torch.no_grad()
-    def eval_pairs(self, micro_batches: list[dict]) -> dict:
-        """pair_stats summed over this rank's micro-batches."""
-        self.model.eval()
-        stats = {}
-        for mb in micro_batches:
-            for key, value in pair_stats(*self.pair_losses(mb)).items():
-                stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
-        return stats
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy completions of this rank's prompts, each whole here (ring attention off)."""
-        self.model.eval()
-        enable_ring_attention(self.model, None)
-        args = (self.tokenizer, prompts, max_new_tokens, self.world_size > 1)
-        out = greedy_completions(self.model, *args)
-        enable_ring_attention(self.model, self.sp.group)
-        return out
+def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
+    """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
+    trainer.model.train()
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr_at(step, trainer.args)
+    stats = {}
+    for i, mb in enumerate(micro_batches):
+        # reduce-scatter gradients after the last micro-batch only
+        trainer.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        losses, rewards = pair_losses(trainer, mb)
+        loss = losses.sum() * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
+        # the mean over the global batch's pairs; FSDP averages over ranks: undo it. SP: each
+        # rank gets the gradient of its own tokens
+        trainer.loss_scale.backward(loss * trainer.world_size / num_pairs)
+        for key, value in pair_stats(losses.detach(), rewards).items():
+            stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
+    grad_norm = trainer.optimizer_step(step)
+    return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
 
-    def optimizer_step(self, step: int) -> float:
-        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. float16: the gradients are
-        unscaled first, and an overflow skips the update and lowers the loss scale (common/
-        precision.py). Returns the norm (0 for a skipped update)."""
-        self.loss_scale.unscale(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if self.loss_scale.skip(grad_norm, step):
-            self.optimizer.zero_grad(set_to_none=True)
-            return 0.0
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
 
-    def save(self, path: str, step: int, with_optimizer: bool):
-        # every rank gathers its shards, rank 0 writes
-        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
-
-    def load_optimizer(self, path: str):
-        checkpoint.load_optimizer(self.model, self.optimizer, path)
+@torch.no_grad()
+def eval_pairs(trainer, micro_batches: list[dict]) -> dict:
+    """pair_stats summed over this rank's micro-batches."""
+    trainer.model.eval()
+    stats = {}
+    for mb in micro_batches:
+        for key, value in pair_stats(*pair_losses(trainer, mb)).items():
+            stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
+    return stats
 
 
 def main(args: Args):
@@ -454,7 +380,7 @@ def main(args: Args):
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in pairs:
-            sums = call(trainers, "eval_pairs", per_rank=plan_micro_batches(pairs["eval"], args))
+            sums = call(trainers, eval_pairs, per_rank=plan_micro_batches(pairs["eval"], args))
             metrics.update(pair_metrics("eval", sums, args))
         if accuracy:  # greedy generation on the trainers, scored by the rule verifier
             accuracy_value, samples = greedy_accuracy(trainers, *accuracy, tokenizer, args)
@@ -474,7 +400,7 @@ def main(args: Args):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         shares = plan_micro_batches(batch, args)
-        results = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        results = call(trainers, train_step, len(batch), step, per_rank=shares)
         metrics = {
             **pair_metrics("train", results, args),
             "train/grad_norm": results[0]["grad_norm"],
@@ -516,9 +442,7 @@ def greedy_accuracy(trainers: list, rows: list[dict], prompts: list, tokenizer, 
     """Greedy accuracy of the held-out prompts: dealt round-robin to the trainer ranks, generated
     there, scored with reward_fn against each row's answer. Returns (accuracy, sample rows)."""
     n = len(trainers)
-    outs = call(
-        trainers, "generate", args.max_new_tokens, per_rank=[prompts[r::n] for r in range(n)]
-    )
+    outs = call(trainers, generate, args.max_new_tokens, per_rank=[prompts[r::n] for r in range(n)])
     texts = [""] * len(prompts)
     for r, out in enumerate(outs):
         texts[r::n] = [tokenizer.decode(o) for o in out]
@@ -631,7 +555,17 @@ def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
     layout = placement.Layout(use_gpu, args.num_trainers)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
-    return placement.spawn_trainers(Trainer, pg, layout.trainers, args, *paths)
+    return placement.spawn_trainers(Trainer, pg, layout.trainers, *trainer_shell(args, *paths))
+
+
+def trainer_shell(args: Args, *paths: str) -> tuple:
+    """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
+    policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
+    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
+                    gradient_checkpointing=args.gradient_checkpointing, frozen=["ref_logprobs"],
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    max_grad_norm=args.max_grad_norm)  # fmt: skip
+    return load_policy, paths, settings, args
 
 
 if __name__ == "__main__":

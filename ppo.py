@@ -34,24 +34,23 @@ from typing import Annotated, Literal, NamedTuple
 
 import ray
 import torch
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers import AutoModelForSequenceClassification as AutoScoreModel  # critic, reward
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
-# call says where it lives. The names below are what the math, the actors and the loop use.
+# call says where it lives. The names below are what the math, the updates and the loop use.
 from common import checkpoint, data, lora, memory, models, placement, tracking, weight_sync
 from common.data import encode_example, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.memory import to_device, to_host
-from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call, wait_all
-from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
+from common.precision import choose_dtype, compute_dtype
 from common.rewards import call_reward
-from common.ring_attn import enable_ring_attention, shard_micro_batch, shares_per_rank, sp_groups
+from common.ring_attn import shares_per_rank
 from common.tracking import Run
+from common.trainer import Critic, Trainer, load_model, load_policy
 from common.weight_sync import sync_weights
 
 
@@ -192,35 +191,8 @@ class Args:
     """send the engines merged full weights instead of the adapters (models vLLM has no LoRA for)"""
 
 
-# ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
-def load_policy(
-    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None, dtype="auto"
-) -> torch.nn.Module:
-    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
-    head).
-
-    The model is built on the meta device and sharded before any weight exists; then rank 0 reads
-    the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
-    weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16 below
-    compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
-    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
-    the sharding and trained alone (common/lora.py), read from `path` on --resume.
-    """
-    base = adapters.base if adapters else path
-    compute = compute_dtype(device, dtype)  # fp32 on CPU
-    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device, compute))
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if adapters:
-        adapters.add(model, compute)  # the frozen base in the compute dtype
-    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    load_weights(model, AutoModelForCausalLM, base, device, adapters)
-    return model
-
-
+# ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
+# common/trainer.py's load_policy).
 def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
@@ -253,29 +225,22 @@ def reward_fn(response: str, answer: str) -> float:
 
 # ALGO LOGIC: the critic, the per-token reward, GAE, whitening, the two losses and the adaptive β.
 def load_critic(
-    path: str, device, gradient_checkpointing: bool, pad_token_id: int, adapters=None, dtype="auto"
+    path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto", pad_token_id=None
 ):
     """V_φ: a sequence classifier with one label (rm.py's class), its head read at every token.
 
     From a causal LM the head `score` is new: it starts at zero, so V = 0 and the first advantages
     are the whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's
-    default). Sharded like load_policy; with `adapters` (--lora-rank) its own LoRA adapters on its
-    own frozen copy of the base, the head trained whole.
+    default). Sharded as every model is (common/trainer.py's load_model); with `adapters`
+    (--lora-rank) its own LoRA adapters on its own frozen copy of the base, the head trained whole.
     """
-    base = adapters.base if adapters else path
-    compute = compute_dtype(device, dtype)  # fp32 on CPU
-    model = empty_model(AutoScoreModel, base, attn_implementation(device, compute), num_labels=1)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = pad_token_id
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if adapters:
-        adapters.add(model, compute)  # the frozen base in the compute dtype
-    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    missing = load_weights(model, AutoScoreModel, base, device, adapters)
+    cfg = dict(num_labels=1)
+    model, missing = load_model(AutoScoreModel, path, device, gradient_checkpointing, adapters,
+                                dtype, **cfg)  # fmt: skip
+    if model.config.pad_token_id is None:  # HF's own scoring needs it
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+        model.config.pad_token_id = tokenizer.eos_token_id if pad is None else pad
     resumed = adapters is not None and adapters.resume is not None  # its head came with them
     if any(k.startswith("score.") for k in missing) and not resumed:
         with torch.no_grad():
@@ -543,202 +508,93 @@ def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.
     return out
 
 
-# TRY NOT TO MODIFY: what the policy and critic actors share (FSDP2 shards, step, checkpoints).
-class ShardedModel:
-    def local_part(self, mb: dict) -> dict:
-        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks."""
-        mb = {k: v.to(self.device) for k, v in mb.items()}
-        return shard_micro_batch(mb, self.sp.rank, self.sp.size)
-
-    def optimizer_step(self, step: int) -> float:
-        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. float16: the gradients are
-        unscaled first, and an overflow skips the update and lowers the loss scale (common/
-        precision.py). Returns the norm (0 for a skipped update)."""
-        self.loss_scale.unscale(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if self.loss_scale.skip(grad_norm, step):
-            self.optimizer.zero_grad(set_to_none=True)
-            return 0.0
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
-
-    def save(self, path: str, step: int, with_optimizer: bool):
-        # every rank gathers its shards, rank 0 writes
-        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
-
-    def load_optimizer(self, path: str):
-        checkpoint.load_optimizer(self.model, self.optimizer, path)
+# ALGO LOGIC: the two groups' passes, run on every rank of each (common/trainer.py's shells hold the
+# models, π_ref and the optimizers): π_θold, π_ref and V_old, then the two updates.
+@torch.no_grad()
+def policy_forward(trainer, minibatches: list[list[dict]]) -> list[dict]:
+    """π_θold and π_ref logprobs of the response tokens this rank holds, with their place (seq_id,
+    tok). Filler micro-batches run too: FSDP's collectives must stay in step."""
+    trainer.model.eval()
+    out, sampled = [], (trainer.args.temperature, trainer.args.top_p)  # as vLLM sampled
+    for mb in [trainer.local_part(mb) for mini in minibatches for mb in mini]:
+        inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+        logprobs = compute_logprobs(trainer.model, *inputs, *sampled).cpu()
+        ref_logprobs = compute_logprobs(trainer.frozen["ref_logprobs"], *inputs, *sampled).cpu()
+        if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
+            where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
+            out.append({**where, "logprobs": logprobs, "ref_logprobs": ref_logprobs})
+    return out
 
 
-# TRY NOT TO MODIFY: the policy trainer actor (one per rank), holding the frozen reference too.
-@ray.remote
-class Trainer(ShardedModel):
-    def __init__(self, args: Args, model_path: str, ref_path: str, rank, world, addr, port):
-        self.args, self.rank, self.world_size = args, rank, world
-        self.device = placement.init_distributed(rank, world, addr, port)
-        torch.manual_seed(args.seed)
-        # --lora-rank: adapters on the frozen start model (ref_path), from model_path on --resume
-        adapters = lora.adapters(args, ref_path, model_path)
-        self.model = load_policy(
-            model_path, self.device, args.gradient_checkpointing, adapters, args.dtype
-        )
-        if adapters:  # π_ref: the policy with its adapters off, no second copy
-            self.ref = lora.Disabled(self.model)
-        else:  # π_ref: the start model, also on --resume (model_path is then the checkpoint)
-            self.ref = load_policy(ref_path, self.device, False, dtype=args.dtype)
-            self.ref.eval().requires_grad_(False)
-        self.sp = sp_groups(world, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share data
-        for model in (self.model, self.ref):
-            enable_ring_attention(model, self.sp.group)  # a no-op when --sp-size is 1
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
-        lr, decay = args.learning_rate, args.weight_decay
-        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
-        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
-
-    def init_weight_sync(self, engines: list, backend: str, addr: str, port: int):
-        dtype = compute_dtype(self.device, self.args.dtype)  # the engines'
-        sender, tp, merge = (
-            (self.rank, (addr, port)),
-            self.args.engine_tp,
-            self.args.lora_merge_sync,
-        )
-        self.weight_sync = weight_sync.init_weight_sync(
-            self.model, self.tokenizer, engines, backend, *sender, tp, dtype, merge
-        )
-
-    def push_weights(self) -> int:
-        return self.weight_sync.push()  # the bytes each engine received
-
-    def check_weights(self) -> float | None:
-        # the engines serve what was pushed, or the run stops naming one; rank 0 returns the gap
-        return self.weight_sync.check()
-
-    @torch.no_grad()
-    def forward(self, minibatches: list[list[dict]]) -> list[dict]:
-        """π_θold and π_ref logprobs of the response tokens this rank holds, with their place
-        (seq_id, tok). Filler micro-batches run too: FSDP's collectives must stay in step."""
-        self.model.eval()
-        out, sampled = [], (self.args.temperature, self.args.top_p)  # as vLLM sampled
-        for mb in [self.local_part(mb) for mini in minibatches for mb in mini]:
-            inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-            logprobs = compute_logprobs(self.model, *inputs, *sampled).cpu()
-            ref_logprobs = compute_logprobs(self.ref, *inputs, *sampled).cpu()
-            if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
-                where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
-                out.append({**where, "logprobs": logprobs, "ref_logprobs": ref_logprobs})
-        return out
-
-    def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
-        """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums."""
-        args, stats = self.args, defaultdict(float)
-        sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, args, args.learning_rate)
-        # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
-        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]
-        self.model.train()
-        for _ in range(args.num_epochs):
-            for mini in minibatches:
-                for i, mb in enumerate(mini):
-                    self.model.set_requires_gradient_sync(i == len(mini) - 1)
-                    inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                    logprobs = compute_logprobs(self.model, *inputs, *sampled)  # (N,)
-                    loss, token_stats = compute_loss(logprobs, response_values(mb), args)
-                    # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
-                    real = mb["loss_scale"].item()
-                    loss = loss * mb["loss_scale"]
-                    # FSDP averages over ranks: undo it; float16: × the loss scale S
-                    self.loss_scale.backward(loss * self.world_size)
-                    stats["policy_loss"] += loss.item()
-                    stats["tokens"] += len(logprobs) * real
-                    for key, value in token_stats.items():
-                        stats[key] += value.item() * real
-                stats["grad_norm_sum"] += self.optimizer_step(step)
-        if self.args.colocate:  # hand the cached memory back: the colocated engine wakes up next
-            torch.cuda.empty_cache()
-        stats["lr"] = self.optimizer.param_groups[0]["lr"]
-        return dict(stats)
+def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
+    """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums."""
+    args, model, stats = trainer.args, trainer.model, defaultdict(float)
+    sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr_at(step, args, args.learning_rate)
+    # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
+    minibatches = [[trainer.local_part(mb) for mb in mini] for mini in minibatches]
+    model.train()
+    for _ in range(args.num_epochs):
+        for mini in minibatches:
+            for i, mb in enumerate(mini):
+                model.set_requires_gradient_sync(i == len(mini) - 1)
+                inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+                logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
+                loss, token_stats = compute_loss(logprobs, response_values(mb), args)
+                # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
+                real = mb["loss_scale"].item()
+                loss = loss * mb["loss_scale"]
+                # FSDP averages over ranks: undo it; float16: × the loss scale S
+                trainer.loss_scale.backward(loss * trainer.world_size)
+                stats["policy_loss"] += loss.item()
+                stats["tokens"] += len(logprobs) * real
+                for key, value in token_stats.items():
+                    stats[key] += value.item() * real
+            stats["grad_norm_sum"] += trainer.optimizer_step(step)
+    stats["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    return dict(stats)
 
 
-# TRY NOT TO MODIFY: the critic actor (one per rank), a separate FSDP2 group with its own optimizer.
-@ray.remote
-class Critic(ShardedModel):
-    def __init__(self, args: Args, model_path: str, base_path: str, offload: bool, rank, world,
-                 addr, port):  # fmt: skip
-        self.args, self.rank, self.world_size, self.offload = args, rank, world, offload
-        self.device = placement.init_distributed(rank, world, addr, port)
-        torch.manual_seed(args.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        pad = self.tokenizer.pad_token_id
-        pad = pad if pad is not None else self.tokenizer.eos_token_id
-        # with --lora-rank: its own adapters on its own frozen base (base_path), the head whole
-        adapters = lora.adapters(args, base_path, model_path, whole=("score",))
-        gc = args.gradient_checkpointing
-        self.model = load_critic(model_path, self.device, gc, pad, adapters, args.dtype)
-        self.sp = sp_groups(world, args.sp_size)
-        enable_ring_attention(self.model, self.sp.group)
-        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters + head
-        lr, decay = args.critic_learning_rate, args.weight_decay
-        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
-        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
-        self.on_gpu(False)
+@torch.no_grad()
+def critic_forward(critic, minibatches: list[list[dict]]) -> list[dict]:
+    """V_old of every response token this rank holds, with its place (seq_id, tok), for GAE."""
+    critic.on_gpu(True)
+    critic.model.eval()
+    out = []
+    for mb in [critic.local_part(mb) for mini in minibatches for mb in mini]:
+        inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
+        predicted = compute_values(critic.model, *inputs)
+        if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
+            where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
+            out.append({**where, "values": predicted.cpu()})
+    critic.on_gpu(False)
+    return out
 
-    def on_gpu(self, needed: bool):
-        """Hybrid engine short of memory (the memory plan decides, common/memory.py): the critic
-        waits in host RAM while vLLM generates and the policy trains."""
-        if self.offload and needed:
-            to_device(self.model, self.optimizer, self.device)
-        elif self.offload:
-            to_host(self.model, self.optimizer)
 
-    @torch.no_grad()
-    def forward(self, minibatches: list[list[dict]]) -> list[dict]:
-        """V_old of every response token this rank holds, with its place (seq_id, tok), for GAE."""
-        self.on_gpu(True)
-        self.model.eval()
-        out = []
-        for mb in [self.local_part(mb) for mini in minibatches for mb in mini]:
-            inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
-            predicted = compute_values(self.model, *inputs)
-            if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
-                where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
-                out.append({**where, "values": predicted.cpu()})
-        self.on_gpu(False)
-        return out
-
-    def train_step(self, minibatches: list[list[dict]], step: int) -> dict:
-        """Regress V_φ on the GAE returns: the policy's minibatches and epochs. Returns sums."""
-        args, stats = self.args, defaultdict(float)
-        self.on_gpu(True)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, args, args.critic_learning_rate)
-        minibatches = [[self.local_part(mb) for mb in mini] for mini in minibatches]
-        self.model.train()
-        for _ in range(args.num_epochs):
-            for mini in minibatches:
-                for i, mb in enumerate(mini):
-                    self.model.set_requires_gradient_sync(i == len(mini) - 1)
-                    inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
-                    predicted = compute_values(self.model, *inputs)
-                    loss, token_stats = compute_critic_loss(predicted, response_values(mb), args)
-                    loss = loss * mb["loss_scale"]  # 0 for a filler micro-batch
-                    self.loss_scale.backward(loss * self.world_size)
-                    stats["value_loss"] += loss.item()
-                    for key, value in token_stats.items():
-                        stats[key] += value.item() * mb["loss_scale"].item()
-                stats["grad_norm_sum"] += self.optimizer_step(step)
-        self.on_gpu(False)
-        if self.args.colocate:  # hand the cached memory back: the colocated engine wakes up next
-            torch.cuda.empty_cache()
-        return dict(stats)
+def critic_train_step(critic, minibatches: list[list[dict]], step: int) -> dict:
+    """Regress V_φ on the GAE returns: the policy's minibatches and epochs. Returns sums."""
+    args, model, stats = critic.args, critic.model, defaultdict(float)
+    critic.on_gpu(True)
+    for group in critic.optimizer.param_groups:
+        group["lr"] = lr_at(step, args, args.critic_learning_rate)
+    minibatches = [[critic.local_part(mb) for mb in mini] for mini in minibatches]
+    model.train()
+    for _ in range(args.num_epochs):
+        for mini in minibatches:
+            for i, mb in enumerate(mini):
+                model.set_requires_gradient_sync(i == len(mini) - 1)
+                inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
+                predicted = compute_values(model, *inputs)
+                loss, token_stats = compute_critic_loss(predicted, response_values(mb), args)
+                loss = loss * mb["loss_scale"]  # 0 for a filler micro-batch
+                critic.loss_scale.backward(loss * critic.world_size)
+                stats["value_loss"] += loss.item()
+                for key, value in token_stats.items():
+                    stats[key] += value.item() * mb["loss_scale"].item()
+            stats["grad_norm_sum"] += critic.optimizer_step(step)
+    critic.on_gpu(False)
+    return dict(stats)
 
 
 # TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's head at the last real token).
@@ -845,7 +701,9 @@ def main(args: Args):
         lengths = [len(s["token_ids"]) for s in responses]
         shares = plan_minibatches(batch, responses, step, args)  # packed once, for both passes
         apart = use_gpu and not args.colocate  # on GPUs of their own: side by side
-        policy_out, critic_out = call_groups(trainers, critics, "forward", shares, parallel=apart)
+        policy_out, critic_out = call_groups(
+            trainers, critics, (policy_forward, critic_forward), shares, parallel=apart
+        )
         logprobs = to_padded(policy_out, "logprobs", lengths)  # (B, T)
         ref_logprobs = to_padded(policy_out, "ref_logprobs", lengths)
         values = to_padded(critic_out, "values", lengths)
@@ -858,7 +716,9 @@ def main(args: Args):
         )
         t_fwd = time.time()
 
-        results = call_groups(trainers, critics, "train_step", shares, step, parallel=apart)
+        results = call_groups(
+            trainers, critics, (train_step, critic_train_step), shares, step, parallel=apart
+        )
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
@@ -909,18 +769,18 @@ def main(args: Args):
 
 
 # TRY NOT TO MODIFY: the loop's plumbing.
-def call_groups(trainers: list, critics: list, method: str, shares: tuple, *args, parallel: bool):
-    """Call `method` on the policy group and the critic group, each rank with its share. On GPUs of
-    their own the groups run side by side; sharing GPUs (the hybrid engine) or CPU cores, one after
-    the other."""
+def call_groups(trainers: list, critics: list, fns: tuple, shares: tuple, *args, parallel: bool):
+    """Run fns[0] on the policy group and fns[1] on the critic group (common/trainer.py's shells),
+    each rank with its share. On GPUs of their own the groups run side by side; sharing GPUs (the
+    hybrid engine) or CPU cores, one after the other."""
     if not parallel:
-        policy = call(trainers, method, *args, per_rank=shares[0])
-        return policy, call(critics, method, *args, per_rank=shares[1])
-    refs = [getattr(a, method).remote(s, *args) for a, s in zip(trainers, shares[0])]
-    refs += [getattr(a, method).remote(s, *args) for a, s in zip(critics, shares[1])]
+        policy = call(trainers, fns[0], *args, per_rank=shares[0])
+        return policy, call(critics, fns[1], *args, per_rank=shares[1])
+    refs = [a.run.remote(fns[0], s, *args) for a, s in zip(trainers, shares[0])]
+    refs += [a.run.remote(fns[1], s, *args) for a, s in zip(critics, shares[1])]
     names = [f"Trainer#{i}" for i in range(len(trainers))]
     names += [f"Critic#{i}" for i in range(len(critics))]
-    out = wait_all(refs, names, method)
+    out = wait_all(refs, names, fns[0].__name__)
     return out[: len(trainers)], out[len(trainers) :]
 
 
@@ -1121,10 +981,9 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
     layout = placement.Layout(use_gpu, *sizes, rm)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
-    policy, reference = paths["policy"], paths["reference"]
-    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, args, policy, reference)
-    critic = (paths["critic"], paths["critic_start"], offload)
-    critics = placement.spawn_trainers(Critic, pg, layout.critics, args, *critic)
+    policy, critic = trainer_shells(args, paths, offload)
+    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *policy)
+    critics = placement.spawn_trainers(Critic, pg, layout.critics, *critic)
     reward_model = None
     if rm:
         options = layout.reward_model.options(pg)
@@ -1141,8 +1000,25 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
         memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
     )  # fmt: skip
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
-    call(trainers, "init_weight_sync", engines, backend, addr, port)
+    sync = (args.engine_tp, args.lora_merge_sync)
+    call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)
     return trainers, critics, reward_model, engines
+
+
+def trainer_shells(args: Args, paths: dict, offload: bool) -> tuple:
+    """The trainer shells' arguments (common/trainer.py), the policy's and the critic's: this file's
+    loader, the paths (what to load, the start model) and what each takes from the flags."""
+    both = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, colocate=args.colocate,
+                gradient_checkpointing=args.gradient_checkpointing, weight_decay=args.weight_decay,
+                max_grad_norm=args.max_grad_norm)  # fmt: skip
+    policy = dict(both, lora=lora.spec(args), frozen=["ref_logprobs"])
+    policy["learning_rate"] = args.learning_rate
+    critic = dict(both, lora=lora.spec(args, whole=("score",)), frozen=[], offload=offload)
+    critic["learning_rate"] = args.critic_learning_rate  # the critic's own optimizer
+    return (
+        (load_policy, (paths["policy"], paths["reference"]), policy, args),
+        (load_critic, (paths["critic"], paths["critic_start"]), critic, args),
+    )
 
 
 if __name__ == "__main__":

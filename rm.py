@@ -30,18 +30,17 @@ from typing import Annotated, Literal
 import ray
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
-# call says where it lives. The names below are what the math, the actor and the loop use.
+# call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
 from common.errors import InputError, check_ranges, parse_args
-from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
-from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
-from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch, sp_groups
+from common.precision import choose_dtype
+from common.ring_attn import sequence_sums, shard_micro_batch
 from common.tracking import Run
+from common.trainer import Trainer, load_model
 
 
 @dataclass
@@ -134,30 +133,20 @@ class Args:
 
 # ALGO LOGIC: the reward model, where it reads the reward, and the Bradley-Terry loss.
 def load_reward_model(
-    path: str, device, gradient_checkpointing: bool, pad_token_id: int, adapters=None, dtype="auto"
+    path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto", pad_token_id=None
 ):
-    """A causal LM (or an earlier reward model) as a sequence classifier with one label, sharded
-    like load_policy.
-
-    The scalar head `score` (hidden -> 1) is new when `path` is a causal LM: a seeded init on rank
-    0, which load_weights broadcasts with the rest. FSDP2: each decoder layer, then the root
-    (embeddings, norm, score head). With `adapters` (--lora-rank): LoRA adapters on the frozen
-    base, trained with the whole head (common/lora.py), read from `path` on --resume.
+    """A causal LM (or an earlier reward model) as a sequence classifier with one label, sharded as
+    every model is (common/trainer.py's load_model: each decoder layer, then the root with the
+    head). The scalar head `score` (hidden -> 1) is new when `path` is a causal LM: a seeded init on
+    rank 0, which the loader broadcasts with the rest. With `adapters` (--lora-rank): LoRA adapters
+    on the frozen base, trained with the whole head (common/lora.py), read from `path` on --resume.
     """
-    auto, base = AutoModelForSequenceClassification, adapters.base if adapters else path
-    compute = compute_dtype(device, dtype)  # fp32 on CPU
-    model = empty_model(auto, base, attn_implementation(device, compute), num_labels=1)
+    auto = AutoModelForSequenceClassification
+    model, _ = load_model(auto, path, device, gradient_checkpointing, adapters, dtype, num_labels=1)
     if model.config.pad_token_id is None:  # HF's own scoring needs it to find a row's last token
-        model.config.pad_token_id = pad_token_id
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if adapters:
-        adapters.add(model, compute)  # the frozen base in the compute dtype
-    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    load_weights(model, auto, base, device, adapters)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+        model.config.pad_token_id = tokenizer.eos_token_id if pad is None else pad
     return model
 
 
@@ -259,100 +248,57 @@ def make_pair(chosen: list[int], rejected: list[int], margin: float) -> dict[str
     return {"input_ids": ids, "positions": positions, "margin": [margin] * len(ids)}
 
 
-# TRY NOT TO MODIFY: the trainer actor (one per rank).
-@ray.remote
-class Trainer:
-    def __init__(self, args: Args, model_path: str, base_path: str, rank, world, addr, port):
-        self.args, self.rank, self.world_size = args, rank, world
-        self.device = placement.init_distributed(rank, world, addr, port)
-        torch.manual_seed(args.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        pad = self.tokenizer.pad_token_id
-        pad = pad if pad is not None else self.tokenizer.eos_token_id
-        # with --lora-rank: adapters on the frozen start model (base_path) and a trained head
-        adapters = lora.adapters(args, base_path, model_path, whole=("score",))
-        gc = args.gradient_checkpointing
-        self.model = load_reward_model(model_path, self.device, gc, pad, adapters, args.dtype)
-        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
-        self.sp = sp_groups(world, args.sp_size)
-        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters + head
-        lr, decay = args.learning_rate, args.weight_decay
-        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
-        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
+# ALGO LOGIC: the update and the evaluation, run on every trainer rank (common/trainer.py's shell
+# holds the model and the optimizer).
+def pair_rewards(trainer, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(P,) chosen rewards, rejected rewards and margins of one packed micro-batch of pairs."""
+    mb = {k: v.to(trainer.device) for k, v in mb.items()}
+    ends = sequence_ends(torch.ones_like(mb["input_ids"]), mb["positions"])  # before SP split
+    margins = mb["margin"][ends].view(-1, 2)[:, 0]
+    mb["ends"], mb["seq_index"] = ends, ends.cumsum(1) - 1  # sequence i's score: at its end
+    sp = trainer.sp
+    mb = shard_micro_batch(mb, sp.rank, sp.size)  # this rank's part of every row
+    ends = mb["ends"].bool()  # the ends this rank holds; sequence_sums puts each in its place
+    rewards = compute_rewards(trainer.model, mb["input_ids"], mb["positions"], ends=ends)
+    place = mb["seq_index"][ends]
+    rewards = sequence_sums(rewards, place, 2 * len(margins), sp.group).view(-1, 2)
+    return rewards[:, 0], rewards[:, 1], margins
 
-    def pair_rewards(self, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(P,) chosen rewards, rejected rewards and margins of one packed micro-batch of pairs."""
-        mb = {k: v.to(self.device) for k, v in mb.items()}
-        ends = sequence_ends(torch.ones_like(mb["input_ids"]), mb["positions"])  # before SP split
-        margins = mb["margin"][ends].view(-1, 2)[:, 0]
-        mb["ends"], mb["seq_index"] = ends, ends.cumsum(1) - 1  # sequence i's score: at its end
-        mb = shard_micro_batch(mb, self.sp.rank, self.sp.size)  # this rank's part of every row
-        ends = mb["ends"].bool()  # the ends this rank holds; sequence_sums puts each in its place
-        rewards = compute_rewards(self.model, mb["input_ids"], mb["positions"], ends=ends)
-        place = mb["seq_index"][ends]
-        rewards = sequence_sums(rewards, place, 2 * len(margins), self.sp.group).view(-1, 2)
-        return rewards[:, 0], rewards[:, 1], margins
 
-    def train_step(self, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
-        """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
-        self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.args)
-        stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0}
-        for i, mb in enumerate(micro_batches):
-            # reduce-scatter gradients after the last micro-batch only
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, pair_stats = compute_loss(*self.pair_rewards(mb))
-            loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
-            # the mean over the global batch's pairs; FSDP averages over ranks: undo it
-            self.loss_scale.backward(loss * self.world_size / num_pairs)
-            stats["loss_sum"] += loss.item()
-            for key, value in pair_stats.items():
-                stats[key] += value.item() * mb["loss_scale"].item()
-        grad_norm = self.optimizer_step(step)
-        return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
+def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
+    """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
+    trainer.model.train()
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr_at(step, trainer.args)
+    stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0}
+    for i, mb in enumerate(micro_batches):
+        # reduce-scatter gradients after the last micro-batch only
+        trainer.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss, pair_stats = compute_loss(*pair_rewards(trainer, mb))
+        loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
+        # the mean over the global batch's pairs; FSDP averages over ranks: undo it
+        trainer.loss_scale.backward(loss * trainer.world_size / num_pairs)
+        stats["loss_sum"] += loss.item()
+        for key, value in pair_stats.items():
+            stats[key] += value.item() * mb["loss_scale"].item()
+    grad_norm = trainer.optimizer_step(step)
+    return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
 
-    @torch.no_grad()
-    def eval_pairs(self, micro_batches: list[dict]) -> dict:
-        """The loss and pair stats summed over this rank's micro-batches, and their pairs."""
-        self.model.eval()
-        stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "pairs": 0.0}
-        for mb in micro_batches:
-            chosen, rejected, margins = self.pair_rewards(mb)
-            loss, pair_stats = compute_loss(chosen, rejected, margins)
-            real = mb["loss_scale"].item()  # 0 for a filler micro-batch
-            stats["loss_sum"] += loss.item() * real
-            for key, value in pair_stats.items():
-                stats[key] += value.item() * real
-            stats["pairs"] += len(chosen) * real
-        return stats
 
-    def optimizer_step(self, step: int) -> float:
-        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. float16: the gradients are
-        unscaled first, and an overflow skips the update and lowers the loss scale (common/
-        precision.py). Returns the norm (0 for a skipped update)."""
-        self.loss_scale.unscale(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if self.loss_scale.skip(grad_norm, step):
-            self.optimizer.zero_grad(set_to_none=True)
-            return 0.0
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
-
-    def save(self, path: str, step: int, with_optimizer: bool):
-        # every rank gathers its shards, rank 0 writes
-        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
-
-    def load_optimizer(self, path: str):
-        checkpoint.load_optimizer(self.model, self.optimizer, path)
+@torch.no_grad()
+def eval_pairs(trainer, micro_batches: list[dict]) -> dict:
+    """The loss and pair stats summed over this rank's micro-batches, and their pairs."""
+    trainer.model.eval()
+    stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "pairs": 0.0}
+    for mb in micro_batches:
+        chosen, rejected, margins = pair_rewards(trainer, mb)
+        loss, pair_stats = compute_loss(chosen, rejected, margins)
+        real = mb["loss_scale"].item()  # 0 for a filler micro-batch
+        stats["loss_sum"] += loss.item() * real
+        for key, value in pair_stats.items():
+            stats[key] += value.item() * real
+        stats["pairs"] += len(chosen) * real
+    return stats
 
 
 def main(args: Args):
@@ -370,7 +316,7 @@ def main(args: Args):
     def evaluate() -> dict:
         if "eval" not in pairs:
             return {}
-        sums = call(trainers, "eval_pairs", per_rank=plan_micro_batches(pairs["eval"], args))
+        sums = call(trainers, eval_pairs, per_rank=plan_micro_batches(pairs["eval"], args))
         sums = sums[:: args.sp_size]  # the ranks of an SP group report the same pairs: once each
         return pair_metrics("eval", sums, sum(s["pairs"] for s in sums))
 
@@ -386,7 +332,7 @@ def main(args: Args):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         shares = plan_micro_batches(batch, args)
-        results = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        results = call(trainers, train_step, len(batch), step, per_rank=shares)
         results = results[:: args.sp_size]  # one rank per SP group
         metrics = {
             **pair_metrics("train", results, len(batch)),
@@ -519,7 +465,17 @@ def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
     layout = placement.Layout(use_gpu, args.num_trainers)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
-    return placement.spawn_trainers(Trainer, pg, layout.trainers, args, *paths)
+    return placement.spawn_trainers(Trainer, pg, layout.trainers, *trainer_shell(args, *paths))
+
+
+def trainer_shell(args: Args, *paths: str) -> tuple:
+    """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
+    policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
+    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args, whole=("score",)),
+                    gradient_checkpointing=args.gradient_checkpointing, frozen=[],
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    max_grad_norm=args.max_grad_norm)  # fmt: skip
+    return load_reward_model, paths, settings, args
 
 
 if __name__ == "__main__":

@@ -23,19 +23,18 @@ from typing import Annotated, Literal
 
 import ray
 import torch
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
-# call says where it lives. The names below are what the math, the actor and the loop use.
+# call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
-from common.models import attn_implementation, empty_model, load_weights
 from common.placement import call
-from common.precision import LossScale, choose_dtype, compute_dtype, mixed_precision
-from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
+from common.precision import choose_dtype
+from common.ring_attn import enable_ring_attention
 from common.tracking import Run
+from common.trainer import Trainer, load_policy
 
 
 @dataclass
@@ -124,35 +123,8 @@ class Args:
     """comma-separated linear layers of each decoder layer that get adapters"""
 
 
-# ALGO LOGIC: the model, its log-probabilities and the reward (the same three in every script).
-def load_policy(
-    path: str, device: torch.device, gradient_checkpointing: bool, adapters=None, dtype="auto"
-) -> torch.nn.Module:
-    """Load a causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, norm, LM
-    head).
-
-    The model is built on the meta device and sharded before any weight exists; then rank 0 reads
-    the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py). Master
-    weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16 below
-    compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
-    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
-    the sharding and trained alone (common/lora.py), read from `path` on --resume.
-    """
-    base = adapters.base if adapters else path
-    compute = compute_dtype(device, dtype)  # fp32 on CPU
-    model = empty_model(AutoModelForCausalLM, base, attn_implementation(device, compute))
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if adapters:
-        adapters.add(model, compute)  # the frozen base in the compute dtype
-    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    load_weights(model, AutoModelForCausalLM, base, device, adapters)
-    return model
-
-
+# ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
+# common/trainer.py's load_policy).
 def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
@@ -253,97 +225,50 @@ def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_token
     return [[t for t in row[width:].tolist() if t not in stop] for row in out]
 
 
-# TRY NOT TO MODIFY: the trainer actor (one per rank).
-@ray.remote
-class Trainer:
-    def __init__(self, args: Args, model_path: str, base_path: str, rank, world, addr, port):
-        self.args, self.rank, self.world_size = args, rank, world
-        self.device = placement.init_distributed(rank, world, addr, port)
-        torch.manual_seed(args.seed)
-        # --lora-rank: adapters on the frozen start model (base_path), from model_path on --resume
-        adapters = lora.adapters(args, base_path, model_path)
-        self.model = load_policy(
-            model_path, self.device, args.gradient_checkpointing, adapters, args.dtype
-        )
-        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
-        self.sp = sp_groups(world, args.sp_size)
-        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
-        lr, decay = args.learning_rate, args.weight_decay
-        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
-        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
+@torch.no_grad()
+def generate(trainer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy completions of this rank's prompts, each whole here (ring attention off)."""
+    trainer.model.eval()
+    enable_ring_attention(trainer.model, None)
+    args = (trainer.tokenizer, prompts, max_new_tokens, trainer.world_size > 1)
+    out = greedy_completions(trainer.model, *args)
+    enable_ring_attention(trainer.model, trainer.sp.group)
+    return out
 
-    def train_step(self, micro_batches: list[dict], num_tokens: int, step: int) -> dict:
-        """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
-        self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.args)
-        loss_sum = 0.0
-        for i, mb in enumerate([self.local_part(mb) for mb in micro_batches]):
-            # reduce-scatter gradients after the last micro-batch only
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-            loss = compute_loss(compute_logprobs(self.model, *inputs))
-            loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
-            # the token mean of the whole global batch; FSDP averages over ranks: undo it
-            self.loss_scale.backward(loss * self.world_size / num_tokens)
-            loss_sum += loss.item()
-        grad_norm = self.optimizer_step(step)
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": group["lr"]}
 
-    @torch.no_grad()
-    def eval_loss(self, micro_batches: list[dict]) -> dict:
-        """Sums of the loss and of the assistant tokens over this rank's micro-batches."""
-        self.model.eval()
-        loss_sum = tokens = 0.0
-        for mb in [self.local_part(mb) for mb in micro_batches]:
-            inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-            real = mb["loss_scale"].item()
-            loss_sum += compute_loss(compute_logprobs(self.model, *inputs)).item() * real
-            tokens += mb["loss_mask"].sum().item() * real
-        return {"loss_sum": loss_sum, "tokens": tokens}
+# ALGO LOGIC: the update and the evaluation, run on every trainer rank (common/trainer.py's shell
+# holds the model and the optimizer).
+def train_step(trainer, micro_batches: list[dict], num_tokens: int, step: int) -> dict:
+    """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
+    model = trainer.model
+    model.train()
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr_at(step, trainer.args)
+    loss_sum = 0.0
+    for i, mb in enumerate([trainer.local_part(mb) for mb in micro_batches]):
+        # reduce-scatter gradients after the last micro-batch only
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+        loss = compute_loss(compute_logprobs(model, *inputs))
+        loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
+        # the token mean of the whole global batch; FSDP averages over ranks: undo it
+        trainer.loss_scale.backward(loss * trainer.world_size / num_tokens)
+        loss_sum += loss.item()
+    grad_norm = trainer.optimizer_step(step)
+    return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": group["lr"]}
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy completions of this rank's prompts, each whole here (ring attention off)."""
-        self.model.eval()
-        enable_ring_attention(self.model, None)
-        args = (self.tokenizer, prompts, max_new_tokens, self.world_size > 1)
-        out = greedy_completions(self.model, *args)
-        enable_ring_attention(self.model, self.sp.group)
-        return out
 
-    def local_part(self, mb: dict) -> dict:
-        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks."""
-        mb = {k: v.to(self.device) for k, v in mb.items()}
-        return shard_micro_batch(mb, self.sp.rank, self.sp.size)
-
-    def optimizer_step(self, step: int) -> float:
-        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. float16: the gradients are
-        unscaled first, and an overflow skips the update and lowers the loss scale (common/
-        precision.py). Returns the norm (0 for a skipped update)."""
-        self.loss_scale.unscale(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if self.loss_scale.skip(grad_norm, step):
-            self.optimizer.zero_grad(set_to_none=True)
-            return 0.0
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
-
-    def save(self, path: str, step: int, with_optimizer: bool):
-        # every rank gathers its shards, rank 0 writes
-        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
-
-    def load_optimizer(self, path: str):
-        checkpoint.load_optimizer(self.model, self.optimizer, path)
+@torch.no_grad()
+def eval_loss(trainer, micro_batches: list[dict]) -> dict:
+    """Sums of the loss and of the assistant tokens over this rank's micro-batches."""
+    trainer.model.eval()
+    loss_sum = tokens = 0.0
+    for mb in [trainer.local_part(mb) for mb in micro_batches]:
+        inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+        real = mb["loss_scale"].item()
+        loss_sum += compute_loss(compute_logprobs(trainer.model, *inputs)).item() * real
+        tokens += mb["loss_mask"].sum().item() * real
+    return {"loss_sum": loss_sum, "tokens": tokens}
 
 
 def main(args: Args):
@@ -361,7 +286,7 @@ def main(args: Args):
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in sequences:
-            sums = call(trainers, "eval_loss", per_rank=plan_micro_batches(sequences["eval"], args))
+            sums = call(trainers, eval_loss, per_rank=plan_micro_batches(sequences["eval"], args))
             metrics["eval/loss"] = sum(s["loss_sum"] for s in sums) / sum(s["tokens"] for s in sums)
         if accuracy:  # greedy generation on the trainers, scored by the rule verifier
             metrics["eval/accuracy"], samples = greedy_accuracy(
@@ -383,7 +308,7 @@ def main(args: Args):
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)  # assistant tokens: the loss's 1/N
         shares = plan_micro_batches(batch, args)
-        results = call(trainers, "train_step", num_tokens, step, per_rank=shares)
+        results = call(trainers, train_step, num_tokens, step, per_rank=shares)
         metrics = {**train_metrics(results, num_tokens), **time_metrics(time.time() - t0, batch)}
 
         done = step + 1
@@ -420,9 +345,7 @@ def greedy_accuracy(trainers: list, rows: list[dict], prompts: list, tokenizer, 
     """Greedy accuracy of the held-out prompts: dealt round-robin to the trainer ranks, generated
     there, scored with reward_fn against each row's answer. Returns (accuracy, sample rows)."""
     n = len(trainers)
-    outs = call(
-        trainers, "generate", args.max_new_tokens, per_rank=[prompts[r::n] for r in range(n)]
-    )
+    outs = call(trainers, generate, args.max_new_tokens, per_rank=[prompts[r::n] for r in range(n)])
     texts = [""] * len(prompts)
     for r, out in enumerate(outs):
         texts[r::n] = [tokenizer.decode(o) for o in out]
@@ -536,7 +459,17 @@ def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
     layout = placement.Layout(use_gpu, args.num_trainers)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
-    return placement.spawn_trainers(Trainer, pg, layout.trainers, args, *paths)
+    return placement.spawn_trainers(Trainer, pg, layout.trainers, *trainer_shell(args, *paths))
+
+
+def trainer_shell(args: Args, *paths: str) -> tuple:
+    """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
+    policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
+    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
+                    gradient_checkpointing=args.gradient_checkpointing, frozen=[],
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    max_grad_norm=args.max_grad_norm)  # fmt: skip
+    return load_policy, paths, settings, args
 
 
 if __name__ == "__main__":

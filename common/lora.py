@@ -118,16 +118,26 @@ class Adapters:
                 params[name.replace(".lora_B.", ".lora_B.default.")].copy_(tensor)
 
 
-def adapters(args, base: str, path: str, whole=()) -> Adapters | None:
-    """The Adapters of a script's model from its flags (None when --lora-rank is 0): on the frozen
-    model at `base`, started from the checkpoint at `path` if that is another folder (--resume)."""
+def spec(args, whole=()) -> dict | None:
+    """The LoRA flags a trainer needs, by name (None when --lora-rank is 0); `whole`: modules
+    trained whole (a score head)."""
     if not args.lora_rank:
+        return None
+    return dict(r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
+                target_modules=targets(args), whole=tuple(whole))  # fmt: skip
+
+
+def adapters(spec: dict | None, base: str, path: str) -> Adapters | None:
+    """The Adapters of a model (None without `spec`): on the frozen model at `base`, started from
+    the checkpoint at `path` if that is another folder (--resume)."""
+    if spec is None:
         return None
     from peft import LoraConfig
 
-    config = LoraConfig(r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
-                        target_modules=targets(args), base_model_name_or_path=base)  # fmt: skip
-    return Adapters(config, base, path if path != base else None, tuple(whole))
+    spec = dict(spec)
+    whole = spec.pop("whole")
+    config = LoraConfig(**spec, base_model_name_or_path=base)
+    return Adapters(config, base, path if path != base else None, whole)
 
 
 def on(model) -> bool:

@@ -216,14 +216,16 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
 
 
 def call(actors: list, method: str, *args, per_rank=None, timeout=None, watch=()) -> list:
-    """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all. An
-    actor dead or silent for `timeout` seconds becomes a one-line RunError naming it, not a hang
-    (the shutdown that follows cancels the rest). `watch`: actors working meanwhile (engines
-    generating), checked every WATCH_S s: one that dies ends the wait, named."""
-    refs = [getattr(a, method).remote(*([per_rank[i]] if per_rank is not None else []), *args)
+    """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all:
+    a method name, or a script's function run on trainer shells as method(trainer, ...) (common/
+    trainer.py). An actor dead or silent for `timeout` seconds becomes a one-line RunError naming
+    it, not a hang (the shutdown that follows cancels the rest). `watch`: actors working meanwhile
+    (engines generating), checked every WATCH_S s: one that dies ends the wait, named."""
+    name, fn = (method, ()) if isinstance(method, str) else ("run", (method,))
+    refs = [getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args)
             for i, a in enumerate(actors)]  # fmt: skip
     names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
-    return wait_all(refs, names, method, timeout, watch)
+    return wait_all(refs, names, getattr(method, "__name__", method), timeout, watch)
 
 
 def wait_all(refs: list, names: list[str], what: str, timeout=None, watch=()) -> list:

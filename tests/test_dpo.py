@@ -89,12 +89,14 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     start_ray_cpu()
     layout = Layout(False, trainers=world_size)
     pg = make_placement_group(layout.bundles, use_gpu=False)
-    trainers = spawn_trainers(dpo.Trainer, pg, layout.trainers, args, model_path, model_path)
+    trainers = spawn_trainers(
+        dpo.Trainer, pg, layout.trainers, *dpo.trainer_shell(args, model_path, model_path)
+    )
     losses = []
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]
         shares = dpo.plan_micro_batches(batch, args)
-        out = call(trainers, "train_step", len(batch), step, per_rank=shares)
+        out = call(trainers, dpo.train_step, len(batch), step, per_rank=shares)
         losses.append(
             sum(o["loss"] for o in out[::sp_size]) / len(batch)
         )  # an SP group reports its pairs once

@@ -243,6 +243,9 @@ def test_reward_errors_name_the_function_step_and_row():
         call_reward(flaky, pairs, "step 2", 5, labels)
 
 
+PPO_PATHS = ("policy", "reference", "critic", "critic_start")
+
+
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "ppo-critic"])
 def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tiny_model, name):
     """Every trainer (and ppo.py's critic) raises before optimizer.step() when the gradient norm is
@@ -253,30 +256,34 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
     args = module.Args(learning_rate=1e-3)
     nan = float("nan")
     if name == "ppo-critic":
-        actor = module.Critic.__ray_actor_class__(
-            args, tiny_model, tiny_model, False, 0, 1, addr, port
-        )
+        critic = module.trainer_shells(args, dict.fromkeys(PPO_PATHS, tiny_model), False)[1]
+        actor = module.Critic.__ray_actor_class__(*critic, 0, 1, addr, port)
         seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[1.0] * 2, returns=[nan] * 2,
                                    old_values=[0.0] * 2, loss_weights=[0.5] * 2)  # fmt: skip
-        call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
-    elif name in ("grpo", "dapo", "ppo"):
-        actor = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
-        extra = {"old_logprobs": [-1.0] * 2} if name == "ppo" else {"engine_logprobs": [-1.0] * 2}
-        seq = module.make_sequence(
-            [5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2, **extra
-        )
-        call = lambda: actor.train_step(split_for_ranks([seq], 1, 64), 0)  # noqa: E731
+        call = lambda: module.critic_train_step(actor, split_for_ranks([seq], 1, 64), 0)  # noqa: E731
+    elif name == "ppo":
+        policy = module.trainer_shells(args, dict.fromkeys(PPO_PATHS, tiny_model), False)[0]
+        actor = module.Trainer.__ray_actor_class__(*policy, 0, 1, addr, port)
+        seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2,
+                                   old_logprobs=[-1.0] * 2)  # fmt: skip
+        call = lambda: module.train_step(actor, split_for_ranks([seq], 1, 64), 0)  # noqa: E731
+    else:
+        shell = module.trainer_shell(args, tiny_model, tiny_model)
+        actor = module.Trainer.__ray_actor_class__(*shell, 0, 1, addr, port)
+    if name in ("grpo", "dapo"):
+        seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2,
+                                   engine_logprobs=[-1.0] * 2)  # fmt: skip
+        call = lambda: module.train_step(actor, split_for_ranks([seq], 1, 64), 0)  # noqa: E731
     elif name == "sft":
-        actor = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
         seq = module.make_sequence([5, 6, 7, 8, 9], [0, 0, 0, 1, 1])
-        call = lambda: actor.train_step(split_for_ranks([seq], 1, 64)[0], 0, 0)  # noqa: E731  (0 tokens: 0/0)
-    else:  # rm, dpo: "0 pairs in the batch" divides the loss by 0
-        actor = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
+        micro_batches = split_for_ranks([seq], 1, 64)[0]
+        call = lambda: module.train_step(actor, micro_batches, 0, 0)  # noqa: E731  (0 tokens: 0/0)
+    elif name in ("rm", "dpo"):  # "0 pairs in the batch" divides the loss by 0
         if name == "rm":
             pair = module.make_pair([5, 6, 7, 8], [5, 6, 7, 9], margin=0.0)
         else:
             pair = module.make_pair(([5, 6, 7, 8], [0, 0, 1, 1]), ([5, 6, 7, 9], [0, 0, 1, 1]))
-        call = lambda: actor.train_step(split_for_ranks([pair], 1, 64)[0], 0, 0)  # noqa: E731
+        call = lambda: module.train_step(actor, split_for_ranks([pair], 1, 64)[0], 0, 0)  # noqa: E731
     before = [p.detach().clone() for p in actor.model.parameters()]
     with pytest.raises(
         FloatingPointError, match=r"non-finite .*gradient norm \((nan|inf)\) at step 1"
@@ -434,7 +441,7 @@ def wait_for_phase(run: Run, title: str, timeout: float = 300) -> None:
 
 @pytest.mark.engine
 @pytest.mark.parametrize(
-    "phase", ["Engine.__init__", "Engine.generate", "Trainer.train_step", "Trainer.push_weights",
+    "phase", ["Engine.__init__", "Engine.generate", "Trainer.run", "Trainer.push_weights",
               "Trainer.save"],
     ids=["start-up", "generation", "training", "sync", "save"],
 )  # fmt: skip

@@ -108,16 +108,21 @@ def test_colocated_trainer_frees_cuda_cache_after_train_step(
     module = importlib.import_module(name)
     addr, port = one_rank_group
     args = module.Args(colocate=True, learning_rate=1e-4)
-    trainer = module.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
+    if name == "ppo":
+        paths = dict.fromkeys(("policy", "reference", "critic", "critic_start"), tiny_model)
+        shell = module.trainer_shells(args, paths, False)[0]
+    else:
+        shell = module.trainer_shell(args, tiny_model, tiny_model)
+    trainer = module.Trainer.__ray_actor_class__(*shell, 0, 1, addr, port)
     extra = {"old_logprobs": -1.0} if name == "ppo" else {"engine_logprobs": -1.0}
     micro_batches = one_micro_batch(module, advantages=1.0, loss_weights=0.5, **extra)
     freed = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(True))
-    trainer.train_step(micro_batches, 0)
-    assert freed, f"{name}.py's colocated train_step did not call torch.cuda.empty_cache()"
+    trainer.run(module.train_step, micro_batches, 0)  # as call(trainers, train_step, ...) does
+    assert freed, f"{name}.py's colocated trainer did not call torch.cuda.empty_cache()"
     freed.clear()
-    trainer.args.colocate = False
-    trainer.train_step(micro_batches, 1)
+    trainer.settings["colocate"] = False
+    trainer.run(module.train_step, micro_batches, 1)
     assert not freed  # not colocated: the cache stays, the next step reuses it
 
 

@@ -116,7 +116,9 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     )  # fmt: skip
     layout = Layout(False, trainers=2, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=False)
-    trainers = spawn_trainers(grpo.Trainer, pg, layout.trainers, args, path, path)
+    trainers = spawn_trainers(
+        grpo.Trainer, pg, layout.trainers, *grpo.trainer_shell(args, path, path)
+    )
     engines = spawn_engines(
         pg,
         layout.engines,
@@ -129,14 +131,14 @@ def test_engine_matches_trainer_after_train_step_and_sync(
         use_gpu=False,
     )
     addr, port = rendezvous_address(pg, 0)
-    call(trainers, "init_weight_sync", engines, "gloo", addr, port)
+    call(trainers, "init_weight_sync", engines, "gloo", addr, port, 1, False)
     prompts = [
         encode_prompt(tokenizer, [{"role": "user", "content": f"What is {a} + 1?"}])
         for a in range(3)
     ]
 
     batch = rollout_batch(engines, prompts, 4, args, sp_size)
-    first = call(trainers, "train_step", 0, per_rank=batch)
+    first = call(trainers, grpo.train_step, 0, per_rank=batch)
     assert max(r["logprob_diff_max"] for r in first) < 1e-4  # identical weights at the start
     micro_batches = [
         mb for share in batch[::sp_size] for mb in share[0]
@@ -149,14 +151,14 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     )  # with SP every response token is trained on one rank
     # trained but not pushed: the engine samples from stale weights and the probe sees it
     stale = call(
-        trainers, "train_step", 1, per_rank=rollout_batch(engines, prompts, 4, args, sp_size)
+        trainers, grpo.train_step, 1, per_rank=rollout_batch(engines, prompts, 4, args, sp_size)
     )
     assert max(r["logprob_diff_max"] for r in stale) > 1e-2
     call(trainers, "push_weights")
     call(trainers, "check_weights")  # the probe after every push agrees
     assert ray.get(engines[0].get_version.remote()) == 1
     synced = call(
-        trainers, "train_step", 2, per_rank=rollout_batch(engines, prompts, 4, args, sp_size)
+        trainers, grpo.train_step, 2, per_rank=rollout_batch(engines, prompts, 4, args, sp_size)
     )
     assert max(r["logprob_diff_max"] for r in synced) < 1e-4
     for a in trainers + engines:

@@ -157,10 +157,12 @@ def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scalin
         if dist.is_initialized():
             dist.destroy_process_group()
         args = grpo.Args(dtype=dtype, learning_rate=1e-3)
-        trainer = grpo.Trainer.__ray_actor_class__(args, tiny_model, tiny_model, 0, 1, addr, port)
+        trainer = grpo.Trainer.__ray_actor_class__(
+            *grpo.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
+        )
         if scale is not None:
             trainer.loss_scale.value = scale
-        norms[name] = trainer.train_step([one_micro_batch(grpo, 1e-6)], 0)["grad_norms"]
+        norms[name] = grpo.train_step(trainer, [one_micro_batch(grpo, 1e-6)], 0)["grad_norms"]
         trainers[name] = trainer
     assert trainers["fp16"].loss_scale.value == 2.0**16 and not trainers["fp32"].loss_scale.on
     assert norms["fp32"] > 0 and norms["fp16"] == pytest.approx(norms["fp32"], rel=0.1)
@@ -168,19 +170,19 @@ def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scalin
     seen = []  # the compute really is fp16: what the first decoder layer's projections get
     layer = trainer.model.base_model.layers[0].self_attn.q_proj
     hook = layer.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].dtype))
-    trainer.train_step([one_micro_batch(grpo, 0.5)], 1)
+    grpo.train_step(trainer, [one_micro_batch(grpo, 0.5)], 1)
     hook.remove()
     assert seen and set(seen) == {torch.float16}
 
     trainer = trainers["fp16"]  # overflow: no update, half the scale, then on
     before = [p.detach().to_local().clone() for p in trainer.model.parameters()]
     trainer.loss_scale.value = 2.0**40
-    assert trainer.train_step([one_micro_batch(grpo, 0.5)], 1)["grad_norms"] == 0.0
+    assert grpo.train_step(trainer, [one_micro_batch(grpo, 0.5)], 1)["grad_norms"] == 0.0
     assert trainer.loss_scale.value == 2.0**39
     after = [p.detach().to_local() for p in trainer.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     trainer.loss_scale.value = 2.0**10
-    assert trainer.train_step([one_micro_batch(grpo, 0.5)], 2)["grad_norms"] > 0
+    assert grpo.train_step(trainer, [one_micro_batch(grpo, 0.5)], 2)["grad_norms"] > 0
 
     scale = precision.LossScale(torch.float16, scale=1.0, interval=2)
     assert not scale.skip(torch.tensor(1.0), 0) and scale.value == 1.0
@@ -198,7 +200,7 @@ def test_lora_keeps_its_frozen_base_in_the_compute_dtype(one_rank_group, tiny_mo
     placement.init_distributed(0, 1, *one_rank_group)
     flags = argparse.Namespace(lora_rank=4, lora_alpha=None, lora_dropout=0.0,
                                lora_target_modules=lora.DEFAULT_TARGETS)  # fmt: skip
-    adapters = lora.adapters(flags, tiny_model, tiny_model)
+    adapters = lora.adapters(lora.spec(flags), tiny_model, tiny_model)
     model = sft.load_policy(tiny_model, torch.device("cpu"), False, adapters, "float16")
     dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
     assert dtypes == {(False, torch.float16), (True, torch.float32)}  # adapters: fp32 masters

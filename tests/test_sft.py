@@ -78,13 +78,15 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     start_ray_cpu()
     layout = Layout(False, trainers=world_size)
     pg = make_placement_group(layout.bundles, use_gpu=False)
-    trainers = spawn_trainers(sft.Trainer, pg, layout.trainers, args, model_path, model_path)
+    trainers = spawn_trainers(
+        sft.Trainer, pg, layout.trainers, *sft.trainer_shell(args, model_path, model_path)
+    )
     losses = []
     for step in range(steps):
         batch = sequences[step * 8 : (step + 1) * 8]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)
         out = call(
-            trainers, "train_step", num_tokens, step, per_rank=sft.plan_micro_batches(batch, args)
+            trainers, sft.train_step, num_tokens, step, per_rank=sft.plan_micro_batches(batch, args)
         )
         losses.append(sum(o["loss_sum"] for o in out) / num_tokens)
     call(trainers, "save", str(out_dir), steps, False)
@@ -177,7 +179,8 @@ def test_greedy_completions_batch_like_one_at_a_time(tiny_model, tokenizer):
 class Echo:
     """A stand-in trainer rank: its "completion" of a prompt is the prompt's last token."""
 
-    def generate(self, prompts, max_new_tokens):
+    def run(self, fn, prompts, max_new_tokens):  # the trainer shell runs sft.generate
+        assert fn is sft.generate
         return [[p[-1]] for p in prompts]
 
 

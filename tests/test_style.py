@@ -33,7 +33,6 @@ ALL, RL = SCRIPTS, ["grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
 GRPO = ["grpo.py", "dapo.py", "grpo_async.py"]  # grpo.py and its variants
 SUPERVISED = ["sft.py", "rm.py", "dpo.py"]  # one trainer group, no engines
 SHARED = [  # (block, scripts); "script:Class.method" names a block under another name
-    ("load_policy", ["sft.py", "dpo.py", *RL]),
     ("compute_logprobs", ["sft.py", "dpo.py", *RL]),
     ("reward_fn", ["sft.py", "dpo.py", *RL]),
     ("batch_rows", ALL),
@@ -43,7 +42,7 @@ SHARED = [  # (block, scripts); "script:Class.method" names a block under anothe
     ("check_machine", SUPERVISED),
     ("start_trainers", SUPERVISED),
     ("greedy_completions", ["sft.py", "dpo.py"]),  # the generate/accuracy path
-    ("Trainer.generate", ["sft.py", "dpo.py"]),
+    ("generate", ["sft.py", "dpo.py"]),
     ("greedy_accuracy", ["sft.py", "dpo.py"]),
     ("read_accuracy_rows", ["sft.py", "dpo.py"]),
     ("Prompt", RL),
@@ -54,16 +53,9 @@ SHARED = [  # (block, scripts); "script:Class.method" names a block under anothe
     ("read_prompt_rows", GRPO),
     ("start_actors", ["grpo.py", "dapo.py"]),
     ("plan_minibatches", GRPO),
-    ("Trainer.init_weight_sync", RL),
-    ("Trainer.push_weights", RL),
-    ("Trainer.check_weights", RL),
-    # a loss change lives in compute_loss / loss_weights; grpo_async.py's (never colocated) keeps
-    # no GPU cache for an engine, one tagged line
-    ("Trainer.train_step", ["grpo.py", "dapo.py"]),
-    ("Trainer.local_part", ["sft.py", *GRPO, "ppo.py:ShardedModel.local_part"]),
-    ("Trainer.optimizer_step", [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.optimizer_step"]),
-    ("Trainer.save", [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.save"]),
-    ("Trainer.load_optimizer", [*ALL[:5], "grpo_async.py", "ppo.py:ShardedModel.load_optimizer"]),
+    # a loss change lives in compute_loss / loss_weights; the update is the same in the family
+    ("train_step", GRPO),
+    ("trainer_shell", ["grpo.py", "dapo.py"]),  # grpo_async.py's shares no GPU, one tagged line
 ]
 
 

@@ -1,0 +1,158 @@
+"""The trainer shell: one FSDP2 rank of the model a script trains, driven by the script's functions.
+
+Around its update every script's trainer does the same things, and no variant edits them: join the
+process group, load the model sharded (LoRA adapters on a frozen base), ring attention, frozen
+copies (π_ref), the optimizer and the float16 loss scale; then the optimizer step, the weight push
+to the engines, saving and loading. They live here once. A script keeps its algorithm and hands the
+shell its own functions (composition, as nanoGPT's train.py drives model.py): `load` builds the
+model, and `call(trainers, train_step, ...)` (common/placement.py) runs the script's update on every
+rank as train_step(trainer, ...), `trainer` being this object: its model, frozen models, optimizer,
+local_part and optimizer_step. A copied script hands over its own copies, wherever it lives."""
+
+import ray
+import torch
+from torch.distributed.fsdp import fully_shard
+
+from common import checkpoint, lora, placement, weight_sync
+from common.memory import to_device, to_host
+from common.models import attn_implementation, empty_model, load_weights
+from common.precision import LossScale, compute_dtype, mixed_precision
+from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
+
+
+def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dtype="auto", **cfg):
+    """A model of `auto_cls` sharded with FSDP2: each decoder layer, then the root (embeddings,
+    norm, head). It is built on the meta device and sharded before any weight exists; then rank 0
+    reads the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py).
+    Master weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16
+    below compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
+    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
+    the sharding and trained alone (common/lora.py), read from `path` on --resume. `cfg`: config
+    overrides (num_labels). Returns (model, the names of weights the checkpoint did not have)."""
+    base = adapters.base if adapters else path
+    compute = compute_dtype(device, dtype)  # fp32 on CPU
+    model = empty_model(auto_cls, base, attn_implementation(device, compute), **cfg)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if adapters:
+        adapters.add(model, compute)  # the frozen base in the compute dtype
+    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model, load_weights(model, auto_cls, base, device, adapters)
+
+
+def load_policy(path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto"):
+    """The policy: a causal LM, sharded by load_model (every script's model but rm.py's)."""
+    from transformers import AutoModelForCausalLM
+
+    return load_model(AutoModelForCausalLM, path, device, gradient_checkpointing, adapters, dtype)[
+        0
+    ]
+
+
+class Trainer:
+    def __init__(self, load, paths: tuple, settings: dict, args, rank, world, addr, port):
+        """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader, given
+        paths[0] (the model, or the checkpoint to resume); paths[1] is the start model (π_ref, the
+        frozen base of LoRA adapters). `settings`, by name: seed, sp_size, dtype,
+        gradient_checkpointing, lora (lora.spec's), learning_rate, weight_decay, max_grad_norm,
+        frozen (the frozen copies: [] or ["ref_logprobs"]), colocate (an engine shares this GPU),
+        offload (the model waits in host RAM between calls, on_gpu). `args`: the script's flags, for its own functions."""
+        from transformers import AutoTokenizer
+
+        s = self.settings = settings
+        self.args, self.rank, self.world_size = args, rank, world
+        self.device = placement.init_distributed(rank, world, addr, port)
+        torch.manual_seed(s["seed"])
+        self.tokenizer = AutoTokenizer.from_pretrained(paths[0])
+        # --lora-rank: adapters on the frozen start model, from paths[0] on --resume
+        adapters = lora.adapters(s["lora"], paths[1], paths[0])
+        self.model = load(paths[0], self.device, s["gradient_checkpointing"], adapters, s["dtype"])
+        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
+        self.sp = sp_groups(world, s["sp_size"])
+        enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
+        # π_ref: a frozen copy of the start model (also on --resume), each named by the per-token
+        # values it gives the loss; with LoRA the policy with its adapters off (no second copy)
+        self.frozen = {name: self.frozen_model(load, paths[1], adapters) for name in s["frozen"]}
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        lr, decay = s["learning_rate"], s["weight_decay"]
+        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
+        self.loss_scale = LossScale(compute_dtype(self.device, s["dtype"]))  # float16 only
+        self.on_gpu(False)
+
+    def frozen_model(self, load, path: str, adapters):
+        if adapters:
+            return lora.Disabled(self.model)
+        frozen = load(path, self.device, False, None, self.settings["dtype"])
+        frozen.eval().requires_grad_(False)
+        enable_ring_attention(frozen, self.sp.group)
+        return frozen
+
+    def run(self, fn, *args):
+        """A script's function on this rank, as fn(trainer, *args): its update, its evaluation."""
+        out = fn(self, *args)
+        if self.settings.get("colocate"):  # the cached memory back: the engine on this GPU wakes
+            torch.cuda.empty_cache()
+        return out
+
+    def local_part(self, mb: dict) -> dict:
+        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks."""
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        return shard_micro_batch(mb, self.sp.rank, self.sp.size)
+
+    def optimizer_step(self, step: int) -> float:
+        """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
+        every rank before the update, so the weights are never NaN. float16: the gradients are
+        unscaled first, and an overflow skips the update and lowers the loss scale (common/
+        precision.py). Returns the norm (0 for a skipped update)."""
+        self.loss_scale.unscale(self.model.parameters())
+        max_norm = self.settings["max_grad_norm"]
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if self.loss_scale.skip(grad_norm, step):
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
+
+    def on_gpu(self, needed: bool):
+        """With `offload` (the hybrid engine short of memory, as the memory plan decides): the model
+        and its optimizer wait in host RAM while vLLM generates and the others train."""
+        if self.settings.get("offload") and needed:
+            to_device(self.model, self.optimizer, self.device)
+        elif self.settings.get("offload"):
+            to_host(self.model, self.optimizer)
+
+    def init_weight_sync(self, engines: list, backend: str, addr: str, port: int, tp, merge):
+        dtype = compute_dtype(self.device, self.settings["dtype"])  # the engines'
+        self.weight_sync = weight_sync.init_weight_sync(
+            self.model, self.tokenizer, engines, backend, self.rank, (addr, port), tp, dtype, merge
+        )
+
+    def push_weights(self) -> int:
+        return self.weight_sync.push()  # the bytes each engine received
+
+    def check_weights(self) -> float | None:
+        # the engines serve what was pushed, or the run stops naming one; rank 0 returns the gap
+        return self.weight_sync.check()
+
+    def save(self, path: str, step: int, with_optimizer: bool):
+        # every rank gathers its shards, rank 0 writes
+        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
+
+    def load_optimizer(self, path: str):
+        checkpoint.load_optimizer(self.model, self.optimizer, path)
+
+
+class Critic(Trainer):
+    """ppo.py's value model V_φ: the same shell under its own name (errors say Critic#i)."""
+
+
+Trainer, Critic = ray.remote(Trainer), ray.remote(Critic)
