@@ -779,7 +779,7 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
                     gradient_checkpointing=args.gradient_checkpointing, frozen=frozen_models(args),
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                    max_grad_norm=args.max_grad_norm, colocate=False)  # ASYNC: no GPU shared  # fmt: skip
+                    max_grad_norm=args.max_grad_norm, colocate=False)  # fmt: skip  # ASYNC: own GPU
     return load_policy, paths, settings, args
 
 

@@ -471,8 +471,9 @@ def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
 def trainer_shell(args: Args, *paths: str) -> tuple:
     """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
     policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
-    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args, whole=("score",)),
-                    gradient_checkpointing=args.gradient_checkpointing, frozen=[],
+    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, frozen=[],
+                    lora=lora.spec(args, whole=("score",)),  # the score head trained whole
+                    gradient_checkpointing=args.gradient_checkpointing,
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay,
                     max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_reward_model, paths, settings, args

@@ -1,6 +1,4 @@
-"""The engine that never stops, for grpo_async.py: vLLM's AsyncLLM in a Ray actor, taking new
-weights between two decoding steps while requests stream in and out (PipelineRL's in-flight weight
-update). Its arguments, environment and start-up are common/engines.py's."""
+"""grpo_async.py's engine: AsyncLLM in a Ray actor, updated between decoding steps (PipelineRL)."""
 
 import asyncio
 import time
@@ -13,12 +11,10 @@ from common.engines import Adapter, engine_args
 
 @ray.remote
 class AsyncEngine:
-    """Engine with async methods: Ray runs them concurrently, so a weight update is served while
-    `generate` calls are in flight (AsyncLLM runs vLLM's engine core in a child process). An update
-    pauses the scheduler between two steps, keeping the running requests (`mode="keep"`: the layers
-    are reloaded in place, so decoding them mid-update would fail); by default they are then
-    preempted and prefilled again: the tokens after it come from exactly the new policy.
-    `keep_old_kv` (PipelineRL): no re-prefill; new tokens attend to old-weight keys and values."""
+    """Async methods, run concurrently by Ray: a weight update is served while `generate` calls are
+    in flight. It pauses the scheduler between two steps keeping running requests (`mode="keep"`:
+    decoding layers mid-reload would fail), then by default re-prefills them: later tokens are all
+    the new policy's. `keep_old_kv` (PipelineRL): no re-prefill; they see old-weight keys/values."""
 
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
                  keep_old_kv=False, lora=None, dtype="auto"):  # fmt: skip
@@ -69,8 +65,7 @@ class AsyncEngine:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _request(self, token_ids: list[int]):
-        """A prompt as the engine takes it (vLLM's renderer, as AsyncLLM.generate's docs show),
-        salted with the weight version so no request reuses prefix-cache blocks of an older one."""
+        """A prompt through AsyncLLM's renderer, salted by weight version: no stale prefix cache."""
         prompt = {"prompt_token_ids": token_ids, "cache_salt": f"v{self.version}"}
         (request,) = self.llm.renderer.render_cmpl([prompt])
         return request
@@ -98,8 +93,7 @@ class AsyncEngine:
         self._interval("paused", self.paused_at)
 
     async def load_adapter(self, tensors: dict, config: dict, version: int):
-        """Adapter-only sync (--lora-rank) in flight, as a weight update: the new adapters load in
-        place between two decoding steps (the running requests carry their id)."""
+        """Adapter-only sync (--lora-rank), in place between two steps (requests keep its id)."""
         self.paused_at = time.time()
         await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
         self.adapter.write(tensors, config)
@@ -142,8 +136,7 @@ class AsyncEngine:
 
 
 def token_versions(num_tokens: int, spans) -> list[int]:
-    """The weight version of each sampled token, from vLLM's spans ([start, end) sampled by weights
-    `version`; "default": the first, 0). A token without a span is not guessed: the run stops."""
+    """Each token's weight version from vLLM's [start, end) spans ("default": 0); gaps raise."""
     versions = [None] * num_tokens
     for span in spans or []:
         version = int(span.version.replace("default", "0"))

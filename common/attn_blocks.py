@@ -3,11 +3,10 @@
     forward(q, k, v, cu, scale)                  -> out (Tq, H, D) fp32, lse (H, Tq) fp32
     backward(dout, q, k, v, out, lse, cu, scale) -> dq, dk, dv (fp32); out, lse: the rows' *final*
 
-q (Tq, H, D), k/v (Tk, Hkv, D), Hkv dividing H (GQA). cu None: every query sees every key; cu a list
-of boundaries [0, ..., Tq] (Tq == Tk): causal inside each segment (packed sequences; flash-attn's
-cu_seqlens). TorchBlocks: fp32 scores, any device (what the CPU tests run). FlashBlocks: flash-attn
-2.7+ varlen kernels on CUDA for fp16/bf16, through its private _flash_attn_varlen_forward/_backward:
-the public function cannot take back the *global* log-sum-exp a ring's backward needs."""
+q (Tq, H, D), k/v (Tk, Hkv, D), Hkv dividing H (GQA). cu None: every query sees every key; else
+boundaries [0, ..., Tq] (Tq == Tk; flash-attn's cu_seqlens): causal inside each packed sequence.
+TorchBlocks: fp32, any device (CPU tests). FlashBlocks: flash-attn 2.7+'s private varlen forward and
+backward (the public function cannot take the *global* log-sum-exp a ring's backward needs)."""
 
 import functools
 
@@ -45,8 +44,7 @@ class TorchBlocks:
         ds = p * (torch.einsum("qhd,khd->hqk", dout, vr) - delta[..., None])
         dq = torch.einsum("hqk,khd->qhd", ds, kr) * scale
         dk = torch.einsum("hqk,qhd->khd", ds, q.float()) * scale
-        # GQA: sum the expanded heads back
-        dk, dv = (x.unflatten(1, (k.shape[1], rep)).sum(2) for x in (dk, dv))
+        dk, dv = (x.unflatten(1, (k.shape[1], rep)).sum(2) for x in (dk, dv))  # GQA: heads summed
         return dq, dk, dv
 
 
@@ -95,8 +93,7 @@ class FlashBlocks:
 
 
 def kernels_for(q: torch.Tensor):
-    """FlashBlocks where flash-attn runs (Ampere or newer, fp16/bf16, head dim a multiple of 8 up
-    to 256), else TorchBlocks."""
+    """TorchBlocks unless flash-attn runs (Ampere or newer, fp16/bf16, head dim 8, 16, ..., 256)."""
     d, half = q.shape[-1], q.dtype in (torch.float16, torch.bfloat16)
     usable = q.is_cuda and half and d % 8 == 0 and d <= 256
     usable = usable and torch.cuda.get_device_capability(q.device)[0] >= 8

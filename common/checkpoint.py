@@ -1,8 +1,5 @@
-"""Checkpoints: a run's step_N folders (an HF model folder, loadable by transformers and vLLM as
-is, plus trainer_state.pt for --resume) and final/, written by trainer rank 0 from the FSDP2 shards
-of every rank, and the checks that make --resume safe before anything starts. With LoRA
-(--lora-rank) a checkpoint holds the adapters as a PEFT folder, adapter/; final/ the merged model
-too."""
+"""Checkpoints: step_N/ (an HF model folder, + trainer_state.pt for --resume) and final/, written
+by trainer rank 0 from FSDP2 shards (LoRA: PEFT adapter/, final/ merged too); --resume's checks."""
 
 import argparse
 import contextlib
@@ -20,8 +17,7 @@ from common.tracking import check_output_dir, lock_run_dir, write_json
 
 
 def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool) -> None:
-    """Called on every rank of an FSDP2 group: all gather the full state dict (a collective, to
-    CPU); rank 0 writes an HF folder (model + tokenizer) and, for --resume, the optimizer state."""
+    """All ranks gather the full state dict to CPU; rank 0 writes an HF folder + optimizer state."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict as sd
@@ -64,10 +60,8 @@ def load_optimizer(model, optimizer, path: str) -> None:
 
 @contextlib.contextmanager
 def staged(path: str, step: int):
-    """Write a checkpoint (every part of it: policy, critic, optimizer, script state) into a hidden
-    folder beside `path`, then publish it with one rename: a kill at any moment leaves `path` whole
-    or absent, never in parts. A failure (a signal too) removes the partial folder once every
-    process of the run has ended, so no trainer still writes into it (and names a full disk)."""
+    """Write a checkpoint (every part) into a hidden folder beside `path`, published by one rename:
+    a kill leaves `path` whole or absent; a failure removes it once no trainer writes in it."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -108,8 +102,7 @@ def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
     made_by = config.get("script") or os.path.basename((config.get("argv") or ["?"])[0])
     if made_by != script:
         raise InputError(f"--resume: {run_dir} was made by {made_by}, not {script}")
-    model = config["args"].get("model")
-    if model != args.model:
+    if (model := config["args"].get("model")) != args.model:
         raise InputError(f"--resume: the run was made with --model {model}, not {args.model}")
     check_lora_flags(config["args"], args)
     lock_run_dir(run_dir)
@@ -167,8 +160,7 @@ def flag_names(argv: list[str]) -> set[str]:
 
 def check_lora_flags(saved: dict, args) -> None:
     """A LoRA run resumes with the same adapters (shape, scale), a full fine-tuning run without."""
-    rank = saved.get("lora_rank", 0) or 0
-    if rank != getattr(args, "lora_rank", 0):
+    if (rank := saved.get("lora_rank", 0) or 0) != getattr(args, "lora_rank", 0):
         what = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}" if rank else (
             "fine-tuned the full model: leave out --lora-rank")  # fmt: skip
         raise InputError(f"--resume: the run {what}")
@@ -184,10 +176,8 @@ def check_lora_flags(saved: dict, args) -> None:
 
 
 def find_checkpoint(path: str) -> tuple[str, str, int]:
-    """`--resume` (a run dir, or one of its checkpoints/step_N or final) -> (run_dir, checkpoint,
-    step). A run dir resumes from its newest checkpoint, and only if that one is resumable: a run
-    whose final model kept no optimizer state (--save-every 0) is not silently rewound to an older
-    step_N, which would redo its last steps and overwrite its final model."""
+    """`--resume` (a run dir, its step_N or final) -> (run_dir, checkpoint, step). A run dir resumes
+    from its newest checkpoint: one without optimizer state is never rewound to an older one."""
     path = os.path.abspath(path.rstrip("/"))
     folder = os.path.join(path, "checkpoints")
     if os.path.isdir(folder):
@@ -206,16 +196,14 @@ def find_checkpoint(path: str) -> tuple[str, str, int]:
             raise InputError(f"--resume: {path}: {why}; {redo} and replace it: pass "
                              f"{folder}/{older} to do that")  # fmt: skip
         path = os.path.join(folder, newest)
-    step = checkpoint_step(path)
-    if step is None or not os.path.isfile(f"{path}/trainer_state.pt"):
+    if (step := checkpoint_step(path)) is None or not os.path.isfile(f"{path}/trainer_state.pt"):
         what = "a run dir or a checkpoint folder with trainer_state.pt"
         raise InputError(f"--resume: {path} is not {what}")
     return os.path.dirname(os.path.dirname(path)), path, step
 
 
 def checkpoint_step(folder: str) -> int | None:
-    """The step a checkpoint folder holds: from its checkpoint.json (written last, when `staged`
-    publishes it), or from a step_N name; None for anything else (a partial folder)."""
+    """A folder's step: its checkpoint.json (written last, by `staged`), a step_N name, or None."""
     try:
         with open(os.path.join(folder, "checkpoint.json")) as f:
             return int(json.load(f)["step"])
@@ -225,14 +213,12 @@ def checkpoint_step(folder: str) -> int | None:
 
 
 def check(checkpoint: str) -> None:
-    """A --resume checkpoint is whole: its weights (check_weights) or adapters (LoRA), and
-    trainer_state.pt (a zip)."""
+    """A --resume checkpoint is whole: its weights or LoRA adapters, and trainer_state.pt (zip)."""
     adapter = os.path.join(checkpoint, lora.ADAPTER, "adapter_model.safetensors")
-    if os.path.isdir(os.path.dirname(adapter)):
-        if not os.path.isfile(adapter) or not whole_file(adapter):
-            raise InputError(f"--resume: {adapter} is missing or truncated")
-    else:
+    if not os.path.isdir(os.path.dirname(adapter)):
         check_weights(checkpoint, "--resume: checkpoint")
+    elif not os.path.isfile(adapter) or not whole_file(adapter):
+        raise InputError(f"--resume: {adapter} is missing or truncated")
     if not zipfile.is_zipfile(os.path.join(checkpoint, "trainer_state.pt")):
         why = "is truncated or not a checkpoint"
         raise InputError(f"--resume: {checkpoint}/trainer_state.pt {why}")

@@ -1,7 +1,4 @@
-"""Datasets in, packed micro-batches out: loading, validation with clear errors, token packing.
-
-Rows follow the Hugging Face (TRL) column conventions, so existing datasets load unchanged. A text
-field is a string ("standard" format) or a list of {"role", "content"} messages (conversational)."""
+"""Datasets (TRL's columns) in, packed micro-batches out: loading, validation, token packing."""
 
 import glob
 import importlib.util
@@ -22,8 +19,7 @@ STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own 
 
 
 def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
-    """Rows of a local .jsonl/.json/.parquet file or folder, or of a hub dataset `name[:config]`,
-    and where they came from. Relative paths: the working directory, then the repo root (data/)."""
+    """Rows and source of a local .jsonl/.json/.parquet file or folder, or a hub `name[:config]`."""
     for path in (spec, os.path.join(REPO_ROOT, spec)):
         if os.path.exists(path):
             return _load_local(path, split), path
@@ -88,8 +84,7 @@ def _load_local(path: str, split: str) -> list[dict]:
 
 
 def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tuple = ()) -> None:
-    """Every row is an object with each column present and non-empty: a string or a list of
-    role/content messages with text (or, for the `numeric` columns such as an answer, a number)."""
+    """Rows are objects; columns non-empty text, role/content messages, or (`numeric`) numbers."""
     if not rows:
         raise InputError(f"dataset {source} has no rows")
     for i, row in enumerate(rows, 1):
@@ -171,10 +166,8 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 
 def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[int]]:
-    """Token ids of prompt + completion, and a 0/1 mask that is 1 exactly on the completion tokens.
-    Strings: plain text, the completion followed by EOS. Message lists go through the chat template;
-    the mask covers each assistant turn as written after the generation prompt, end-of-turn token
-    included (so the model learns to stop). `completion=None`: `prompt` is a whole conversation."""
+    """Token ids of prompt + completion (None: `prompt` is a whole conversation) and a mask, 1 on
+    the completion: text + EOS, or each assistant turn + end-of-turn (for the model to stop)."""
     if isinstance(prompt, str) and isinstance(completion, str):
         ids = tokenizer(prompt).input_ids
         done = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
@@ -189,8 +182,7 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
         return tokenizer(text, add_special_tokens=False).input_ids
 
     ids, mask = [], []
-    for i, message in enumerate(messages):
-        # Render the conversation one turn longer each time; the new tokens belong to message i.
+    for i, message in enumerate(messages):  # render one turn more: new tokens are message i's
         assistant = message["role"] == "assistant"
         pieces = [(render(messages[:i], gen_prompt=True), 0)] if assistant and i > 0 else []
         pieces.append((render(messages[: i + 1]), int(assistant)))
@@ -204,10 +196,8 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
 
 
 def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """First-fit packing, longest first, into padding-free rows of at most `max_tokens` tokens. A
-    sequence is a dict of equal-length per-token lists, one of them "input_ids". A row's
-    "position_ids" restart at 0 at every sequence start: how the attention kernels (SDPA via a block
-    mask, flash-attn varlen) keep sequences apart. Returns dicts of (1, T) tensors."""
+    """First-fit, longest first: dicts of per-token lists into padding-free (1, T) rows of at most
+    `max_tokens`. "position_ids" restart at 0 per sequence: how SDPA/flash-attn keep them apart."""
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"]))
     rows, room = [], []  # the sequences of each row, and the tokens left in it
     for i in order:
@@ -234,17 +224,14 @@ def check_batch(batch: int, available: int, flag: str, source: str, what: str) -
 
 
 def response_values(mb: dict, *names: str) -> dict:
-    """Per-token values of a packed micro-batch at its response tokens (loss_mask 1, as
-    compute_logprobs returns): {name: (N,)} for `names`, else every (1, T) field but STRUCTURE."""
+    """{name: (N,)} at response tokens (loss_mask 1): `names`, else all (1, T) but STRUCTURE."""
     m = mb["loss_mask"][0].bool()
     keys = names or [k for k, v in mb.items() if k not in STRUCTURE and v.dim() == 2]
     return {k: mb[k][0, m] for k in keys}
 
 
 def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> list[list[dict]]:
-    """Deal sequences to data-parallel ranks (balanced by tokens) and pack each rank's share.
-    FSDP runs collectives in every forward and backward, so all ranks must run the same number of
-    micro-batches: a rank with fewer repeats its last one with "loss_scale" 0 (no gradient)."""
+    """Deal sequences to data-parallel ranks (balanced by tokens) and pack each rank's share."""
     shares, loads = [[] for _ in range(world_size)], [0] * world_size
     for seq in sorted(sequences, key=lambda s: -len(s["input_ids"])):
         r = loads.index(min(loads))
@@ -255,7 +242,7 @@ def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> 
     for p in packed:
         for mb in p:
             mb["loss_scale"] = torch.tensor(1.0)
-        while len(p) < num_micro:
+        while len(p) < num_micro:  # FSDP's collectives need equal counts; repeats add no gradient
             filler = p[-1] if p else pack([sequences[0]], max_tokens)[0]
             p.append({**filler, "loss_scale": torch.tensor(0.0)})
     return packed

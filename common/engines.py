@@ -1,10 +1,8 @@
 """vLLM generation engines as Ray actors: create, generate, sleep/wake, and the weight-update calls.
 
-Each engine is one `vllm.LLM` inside a Ray actor (in-process; with tensor parallelism > 1 its worker
-processes are children of the actor). The driver sends token ids and gets back token ids and their
-temperature-processed sampling log-probabilities (what the trainer recomputes). CPU (measured, see
-docs): the in-process engine avoids shared-memory queues; OMP's core binding would fight the
-colocated trainers; CUDA graphs and torch.compile cost a minute of start-up for little gain."""
+One in-process `vllm.LLM` per Ray actor (TP > 1: its workers are the actor's children): token ids
+in, token ids and their temperature-processed sampling log-probs (what the trainer recomputes) out.
+CPU choices are measured (see docs); eager: CUDA graphs, torch.compile cost a minute of start-up."""
 
 import atexit
 import logging
@@ -20,8 +18,7 @@ from common.errors import InputError
 from common.memory import GiB, engine_memory, shape_of
 from common.placement import Slot, wait_all, wait_started
 
-# vLLM's warnings reach the terminal (a setting it overrode, a kernel it fell back from), less the
-# KnownWarnings; its info lines do not. To see them:
+# vLLM's warnings reach the terminal, less the KnownWarnings; its info lines do not. To see them:
 #     VLLM_LOGGING_CONFIG_PATH= VLLM_LOGGING_LEVEL=INFO python grpo.py ...
 LOGGING_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_logging.json")
 QUIET = {"VLLM_LOGGING_CONFIG_PATH": LOGGING_CONFIG, "PYTHONWARNINGS": "ignore::FutureWarning"}
@@ -37,18 +34,15 @@ KV_BLOCK = 128  # tokens: vLLM's CPU KV cache comes in blocks of this many
 
 
 class KnownWarnings(logging.Filter):
-    """vLLM warnings dropped as noise (vllm_logging.json uses this filter): settings made on purpose
-    (a seeded engine, eager mode, whole CPU prefills, LoRA adapters saved without a tokenizer), CPU
-    hints, and the layer-reload warning, which vllm_worker.Whole makes fatal."""
+    """vLLM warnings dropped as noise (by vllm_logging.json): settings made on purpose, CPU hints,
+    and the layer-reload warning, which vllm_worker.Whole makes fatal."""
 
-    TEXTS = (
-        "Failed to load weights", "The global random seed is set",
-        "does not officially support disabling chunked", "Enforce eager set",
-        "Inductor compilation was disabled", "Triton is not installed", "Model Runner V2 requires",
-        "libtcmalloc is not found", "libiomp is not found", "leaving Torch threads",
-        "torch.set_num_threads` after", "Reset SSM cache type",
-        "different tokenizers for different LoRAs",
-    )  # fmt: skip
+    TEXTS = ("Failed to load weights", "The global random seed is set",
+             "does not officially support disabling chunked", "Enforce eager set",
+             "Inductor compilation was disabled", "Triton is not installed",
+             "Model Runner V2 requires", "libtcmalloc is not found", "libiomp is not found",
+             "leaving Torch threads", "torch.set_num_threads` after", "Reset SSM cache type",
+             "different tokenizers for different LoRAs")  # fmt: skip
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.TEXTS)
@@ -67,8 +61,7 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None,
     dtype = compute_dtype(torch.device("cuda" if on_gpu else "cpu"), dtype)
     if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it later
         torch.set_num_threads(os.cpu_count() or 1)
-    # CPU: a prefill split over two steps rewinds the request's seeded generator, which a CPU
-    # generator cannot do (vLLM crashes): whole prompts only, a budget that fits many (default).
+    # CPU: whole prompts only (a split prefill rewinds the seeded generator: vLLM crashes on CPU)
     cpu = {"kv_cache_memory_bytes": int(memory * 2**30), "enable_chunked_prefill": False,
            "max_num_batched_tokens": max(8192, max_model_len)}  # fmt: skip
     if lora:  # one adapter, the policy's; no LoRA buffers on modules it does not adapt (lm_head)
@@ -104,9 +97,8 @@ class Engine:
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
         """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts).
-        With `seeds` (one per prompt), sample j of prompt i is a request of its own, seeded
-        `seeds[i] + j`: its tokens depend on neither the batch nor the engine (--resume is exact).
-        One request with n samples and a seed crashes vLLM on CPU."""
+        `seeds` (one per prompt): sample j of prompt i is its own request seeded `seeds[i] + j`,
+        independent of batch and engine (exact --resume; n seeded samples crash vLLM on CPU)."""
         from vllm import SamplingParams, TokensPrompt
 
         base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
@@ -117,11 +109,9 @@ class Engine:
             params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
         outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora())
-        samples = [
-            dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
-                 logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for out in outs for c in out.outputs
-        ]  # fmt: skip
+        samples = [dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
+                        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                   for out in outs for c in out.outputs]  # fmt: skip
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     # The four calls of vLLM's weight-transfer protocol, driven by the trainer's transfer engine.
@@ -142,8 +132,7 @@ class Engine:
         self.version = version
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """log p(token_i | tokens < i) of every token after the first, under the current weights
-        (the check after each update: common/weight_sync.py). Greedy: no draw from the generator."""
+        """log p(token_i | tokens < i), i >= 1 (weight_sync's check); greedy: no generator draw."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -165,9 +154,8 @@ class Engine:
         return self.adapter.request() if self.adapter and self.adapter.written else None
 
     def sleep(self):
-        """Free the GPU for training. CUDA only. Level 2 drops the weights too, instead of copying
-        them to host RAM and back (level 1): the trainer sends every weight before the next run.
-        With LoRA adapters only they are sent: the base weights wait in host RAM (level 1)."""
+        """Free the GPU (CUDA only). Level 2 drops the weights rather than parking them in host RAM
+        (level 1): the trainer resends them all. With LoRA only adapters are sent: level 1."""
         self.llm.sleep(level=1 if self.adapter else 2)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -179,9 +167,8 @@ class Engine:
 
 
 class Adapter:
-    """Where an engine reads the trainers' LoRA adapters: a PEFT folder of its own on its node (the
-    trainers may be elsewhere), rewritten at every sync and loaded in place under one id, so the
-    requests in flight continue with the new adapters."""
+    """The engine's PEFT folder on its node (trainers may be elsewhere) for the trainers' adapters,
+    rewritten at every sync, loaded in place under one id: requests in flight get the new ones."""
 
     NAME, ID = "policy", 1
 
@@ -204,8 +191,7 @@ class Adapter:
         self.written = True
 
     def request(self, load_inplace: bool = False):
-        """vLLM reloads a request's adapter at every step when load_inplace is set: only add_lora
-        sets it; the generate requests name the loaded adapter."""
+        """load_inplace makes vLLM reload the adapter at every step: for add_lora only."""
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(self.NAME, self.ID, self.folder, load_inplace=load_inplace)
@@ -242,10 +228,8 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
     `draw` seeded (sample_seeds), so a resumed run samples what the uninterrupted one did."""
     k = len(engines)
     seeds = sample_seeds(seed, draw, len(prompts)) if draw is not None else None
-    refs = [
-        e.generate.remote(prompts[i::k], n, temperature, top_p, max_tokens, seeds and seeds[i::k])
-        for i, e in enumerate(engines)
-    ]
+    refs = [e.generate.remote(prompts[i::k], n, temperature, top_p, max_tokens,
+                              seeds and seeds[i::k]) for i, e in enumerate(engines)]  # fmt: skip
     outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
     results = [None] * len(prompts)
     for i, out in enumerate(outs):
@@ -256,13 +240,10 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
 def spawn_engines(
     pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int,
     memory: float, use_gpu: bool, sleep_mode: bool = False, lora: dict | None = None,
-    engine_cls=Engine, **engine_kwargs,
-) -> list:  # fmt: skip
-    """Start one engine per slot (vLLM's TP workers are child processes: they see the actor's GPUs)
-    and wait until each has loaded its model: one that fails to start is named here, not as a
-    weight-sync timeout. `engine_cls`: AsyncEngine (+ `engine_kwargs`) or a test's stand-in."""
-    # The driver's VLLM_* settings go to the engines too (on a cluster they run elsewhere), e.g.
-    # VLLM_USE_V2_MODEL_RUNNER=0: vLLM's previous model runner, if the default misbehaves
+    engine_cls=Engine, **engine_kwargs) -> list:  # fmt: skip
+    """One engine per slot (TP workers are child processes: they see the actor's GPUs), each loaded
+    before return: a failed start is named, not a sync timeout. `engine_cls`: e.g. AsyncEngine."""
+    # The driver's VLLM_* settings go to all engines, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (old runner)
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
     args = (backend, tp, max_model_len, memory, sleep_mode)

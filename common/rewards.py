@@ -1,6 +1,5 @@
-"""The reward harness: a reward function called for every sampled response, guarded so that a
-broken one (a raise, a hang, a non-number) ends the run with a line naming it, the step, the row;
-in the driver, or (grpo_async.py) in reward workers that score groups as they are sampled."""
+"""The reward harness: a reward function per sampled response, guarded: a broken one (raise, hang,
+non-number) ends the run in one line naming it, step and row (in the driver or RewardWorker)."""
 
 import math
 import numbers
@@ -14,9 +13,8 @@ from common.errors import RunError
 
 
 def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, labels=None):
-    """fn(response, answer) for each pair -> floats, in this (main) thread: math-verify needs it for
-    its timeouts. A call that raises, runs over `timeout` s or returns no finite number stops the
-    run in one line naming fn, `where` ("step 3") and the pair (`labels[i]` or its row)."""
+    """fn(response, answer) per pair -> floats, on the main thread (math-verify's timeouts need it);
+    a raise, a hang over `timeout` s or a non-finite value ends the run: a line naming the pair."""
     name = getattr(fn, "__name__", repr(fn))
 
     class Late(BaseException):  # not an Exception: a reward function's `except Exception` misses it
@@ -32,8 +30,7 @@ def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, la
             at = f"{where}, {labels[row - 1]}" if labels else f"{where}, row {row}"
             # The signal goes to the main thread itself: a call blocked in sleep() or I/O stops too.
             to_main = (threading.main_thread().ident, signal.SIGUSR1)
-            timer = threading.Timer(timeout, signal.pthread_kill, to_main)
-            timer.start()
+            (timer := threading.Timer(timeout, signal.pthread_kill, to_main)).start()
             try:
                 value = fn(response, answer)
             except Late:
@@ -55,9 +52,8 @@ def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, la
 
 @ray.remote(num_cpus=0)
 class RewardWorker:
-    """call_reward in an actor of its own, on its main thread (where math-verify's and the timeout's
-    signals work): grpo_async.py scores each group as soon as it is sampled. A broken reward
-    function's line comes back as a RuntimeError (a RunError would end the actor without a word)."""
+    """call_reward on an actor's main thread (where math-verify's and the timeout's signals work)
+    for grpo_async.py: a failure's line returns as a RuntimeError (a RunError ends it silently)."""
 
     def __init__(self, fn, tokenizer_path: str, timeout: float):
         self.fn, self.timeout = fn, timeout

@@ -1,12 +1,10 @@
 """Ring attention: causal self-attention over a packed row split across a sequence-parallel group.
 
-Each of the k ranks of an SP group holds 2 of the row's 2k chunks (zigzag: rank i has chunks i and
-2k-1-i, so every rank does the same causal work). Its K/V block travels once around the ring; each
-rank attends its queries to every block as it passes, merging partial results by log-sum-exp. The
-backward sends K/V around again with a dK/dV accumulator, home after k hops. Memory per rank:
-activations of T/k tokens, one (heads, T/2k, T/2k) score block at a time. Packed rows: a token's
-sequence starts at (global index - position id); ring_plan cuts each (query chunk, key chunk) pair
-to the one piece with allowed pairs (attn_blocks.py computes it). See docs/ring_attention.md."""
+Rank i of an SP group of k holds chunks i and 2k-1-i of the row's 2k (zigzag: equal causal work).
+K/V blocks go once around the ring; each rank attends its queries to each as it passes, merging by
+log-sum-exp; the backward sends them around again with a dK/dV accumulator. Memory per rank: T/k
+tokens' activations, one (heads, T/2k, T/2k) score block at a time. A token's sequence starts at
+(global index - position id). See docs/ring_attention.md."""
 
 from typing import NamedTuple
 
@@ -28,8 +26,7 @@ class SPGroup(NamedTuple):
 
 
 def sp_groups(world_size: int, sp_size: int) -> SPGroup:
-    """Split the world into DP x SP: SP groups are runs of sp_size consecutive ranks. Every rank
-    must call it (new_group is a collective: all ranks create every group)."""
+    """Split into DP x SP (SP: sp_size consecutive ranks); a collective: every rank must call it."""
     if world_size % sp_size:
         raise ValueError(f"world size {world_size} is not divisible by sp size {sp_size}")
     rank, mine = dist.get_rank(), None
@@ -47,13 +44,11 @@ def zigzag_indices(total: int, sp_rank: int, sp_size: int, device=None) -> torch
 
 
 def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
-    """This rank's zigzag share of a packed micro-batch: every (1, T) tensor padded to a multiple of
-    2k and cut (other entries pass through). Padding is a sequence of its own (position ids 0, 1,
-    ..., zeros elsewhere, so loss_mask 0): nothing real attends to it and it adds no loss."""
+    """This rank's zigzag share of each (1, T) tensor of a packed micro-batch (the rest as is)."""
     if sp_size == 1:
         return mb
     T = mb["input_ids"].shape[1]
-    pad = -T % (2 * sp_size)
+    pad = -T % (2 * sp_size)  # a sequence of its own (loss_mask 0): unseen, adds no loss
     idx = zigzag_indices(T + pad, sp_rank, sp_size, mb["input_ids"].device)
     out = dict(mb)
     for key, v in mb.items():
@@ -69,9 +64,8 @@ def shares_per_rank(shares: list, sp_size: int) -> list:
 
 
 def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None):
-    """Per-sequence sums (S,) of per-token `values` (N,) split over the group: each rank's partial
-    sums, all-reduced. The backward is the identity: every rank computes the same loss from the same
-    sums, and must get its own tokens' gradient once (an all-reduce would count it k times)."""
+    """Per-sequence sums (S,) of per-token `values` (N,) split over the group, all-reduced. Every
+    rank computes the same loss from them, so the backward is the identity (_SumOverGroup)."""
     sums = values.new_zeros(num_seqs).index_add(0, seq_index, values)
     return sums if group is None else _SumOverGroup.apply(sums, group)
 
@@ -85,14 +79,12 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None  # identity: each rank's tokens' gradient once (all-reduced: k times)
 
 
 def enable_ring_attention(model, group) -> None:
-    """Make an HF causal LM attend with ring attention over `group` (None: its own attention again)
-    via transformers' AttentionInterface, on rows sharded by shard_micro_batch. Switch it off around
-    generate() and other unsharded forwards: the ranks would exchange K/V of unrelated prompts."""
-    if group is None:
+    """Ring attention over `group` for an HF causal LM, on shard_micro_batch rows (None: off)."""
+    if group is None:  # for generate() and other unsharded forwards (unrelated prompts' K/V)
         if model.config._attn_implementation == RING:
             model.set_attn_implementation(model._attn_before_ring)
         return
@@ -127,10 +119,9 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
 
 
 def ring_plan(starts: torch.Tensor, rank: int, n: int) -> list[list[tuple]]:
-    """Per ring step, the pieces (rows, cols, cu) of (local queries x visiting K/V block) with an
-    allowed pair. A K chunk before a Q chunk is wholly in its past, so only the Q chunk's first
-    sequence reaches into it: one rectangle (cu None), a Q-chunk prefix by a K-chunk suffix. A chunk
-    against itself is causal inside each sequence (cu: their boundaries)."""
+    """Per ring step, the pieces (rows, cols, cu) of local queries x visiting K/V with allowed
+    pairs. An earlier K chunk meets only the Q chunk's first sequence: one rectangle (cu None), a Q
+    prefix by a K suffix. A chunk against itself is causal per sequence (cu: their boundaries)."""
     c = starts.numel() // (2 * n)
     plan = []
     for step in range(n):
@@ -161,8 +152,7 @@ def _ring_pass(t: torch.Tensor, group):
 
 
 class RingAttention(torch.autograd.Function):
-    """Exact causal attention of the local queries q (T, H, D) against the K/V (T, Hkv, D) of every
-    rank of the ring; plan from ring_plan, each piece computed by a block kernel."""
+    """Exact causal attention of local q (T, H, D) to every ring rank's K/V (T, Hkv, D), by plan."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scale, group):
@@ -196,15 +186,13 @@ class RingAttention(torch.autograd.Function):
             if step < n - 1:  # the K/V block travels while in use; its gradient after this step
                 wait, kv_next = _ring_pass(kv, ctx.group)
             for rows, cols, cu in ctx.plan[step]:
-                # The kernel gets the final output and log-sum-exp of the rows: P = exp(S - lse) is
-                # then the piece's share of the full softmax, and the gradients are exact.
+                # With the rows' final out and lse, P = exp(S - lse) is the piece's exact share.
                 block = (dout[rows], q[rows], kv[0, cols], kv[1, cols], out[rows], lse[:, rows])
                 dq_b, dk_b, dv_b = kernel.backward(*block, cu, ctx.scale)
                 dq[rows] += dq_b
                 dkv[0, cols] += dk_b
                 dkv[1, cols] += dv_b
-            # After the last step the accumulator makes one more hop: home to the block's owner.
-            if n > 1:
+            if n > 1:  # one hop a step; after the last, home to the block's owner
                 wait_dkv, dkv = _ring_pass(dkv, ctx.group)
                 wait_dkv()
             if step < n - 1:

@@ -1,10 +1,8 @@
-"""The run directory, console lines and optional wandb:
-
-runs/<exp_name>__<seed>__<unix time>/
-    config.json      args, package versions, git sha
-    metrics.jsonl    one row per step: {"step": N, "train/loss": ..., ...}
-    samples.jsonl    prompts, responses, rewards (RL) or eval generations
-    checkpoints/     step_N/ and final/: HF format, + trainer_state.pt in step_N (checkpoint.py)"""
+"""Console lines, optional wandb and the run directory, runs/<exp_name>__<seed>__<unix time>/:
+config.json      args, package versions, git sha
+metrics.jsonl    one row per step: {"step": N, "train/loss": ..., ...}
+samples.jsonl    prompts, responses, rewards (RL) or eval generations
+checkpoints/     step_N/ and final/: HF format, + trainer_state.pt in step_N (checkpoint.py)"""
 
 import contextlib
 import dataclasses
@@ -102,8 +100,7 @@ class Run:
 
 
 def lock_run_dir(run_dir: str) -> None:
-    """One writer per run dir: an exclusive flock on <run dir>/.lock, dropped by the kernel when
-    this process ends (no stale lock after a crash); a second writer stops, naming the first."""
+    """One writer per run dir: a flock on <run dir>/.lock, dropped at any exit (a crash too)."""
     run_dir = os.path.abspath(run_dir)
     if run_dir in _LOCKS:
         return
@@ -128,8 +125,7 @@ def check_output_dir(path: str) -> None:
     if not os.path.isdir(existing):
         raise InputError(f"--output-dir {path}: {existing} is a file, not a folder")
     try:  # a real write: permission bits say nothing for root, nor for a read-only filesystem
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+        tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
         why = f"cannot write in {existing} ({e.strerror})"
         raise InputError(f"--output-dir {path}: {why}") from None

@@ -1,37 +1,40 @@
 """The trainer shell: one FSDP2 rank of the model a script trains, driven by the script's functions.
 
-Around its update every script's trainer does the same things, and no variant edits them: join the
-process group, load the model sharded (LoRA adapters on a frozen base), ring attention, frozen
-copies (π_ref), the optimizer and the float16 loss scale; then the optimizer step, the weight push
-to the engines, saving and loading. They live here once. A script keeps its algorithm and hands the
-shell its own functions (composition, as nanoGPT's train.py drives model.py): `load` builds the
-model, and `call(trainers, train_step, ...)` (common/placement.py) runs the script's update on every
-rank as train_step(trainer, ...), `trainer` being this object: its model, frozen models, optimizer,
-local_part and optimizer_step. A copied script hands over its own copies, wherever it lives."""
+What every script's trainer does around its update lives here once: join the process group, load
+the model sharded (LoRA adapters on a frozen base), ring attention, frozen copies (π_ref), the
+optimizer, the float16 loss scale, the optimizer step, the weight push, save and load. The script
+hands the shell its functions (composition, as nanoGPT's train.py drives model.py): `load` builds
+the model, and `call(trainers, train_step, ...)` runs train_step(trainer, ...) on every rank, with
+this object as `trainer` (model, frozen, optimizer, local_part, optimizer_step)."""
+
+import copy
+import importlib.util
 
 import ray
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from common import checkpoint, lora, placement, weight_sync
 from common.memory import to_device, to_host
-from common.models import attn_implementation, empty_model, load_weights
 from common.precision import LossScale, compute_dtype, mixed_precision
 from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
 
 
 def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dtype="auto", **cfg):
-    """A model of `auto_cls` sharded with FSDP2: each decoder layer, then the root (embeddings,
-    norm, head). It is built on the meta device and sharded before any weight exists; then rank 0
-    reads the checkpoint and broadcasts it, each rank keeping only its shard (common/models.py).
-    Master weights stay fp32; on GPU the forward/backward run in `dtype` (--dtype: bf16, or fp16
-    below compute capability 8.0; common/precision.py) and gradients are reduced in fp32.
-    With `adapters` (--lora-rank) the model is their frozen base with LoRA adapters, added before
-    the sharding and trained alone (common/lora.py), read from `path` on --resume. `cfg`: config
-    overrides (num_labels). Returns (model, the names of weights the checkpoint did not have)."""
+    """A model of `auto_cls` sharded with FSDP2 (each decoder layer, then the root), built on the
+    meta device (the random generator untouched: a new seeded head, rm.py's, is drawn as
+    from_pretrained draws it), filled by load_weights. Master weights fp32; on GPU the compute runs
+    in `dtype` (common/precision.py), gradients reduced in fp32. `adapters` (--lora-rank): LoRA
+    adapters on the frozen base, trained alone (common/lora.py). `cfg`: config overrides
+    (num_labels). Returns (model, the names of the weights the checkpoint lacked)."""
+    from transformers import AutoConfig
+
     base = adapters.base if adapters else path
     compute = compute_dtype(device, dtype)  # fp32 on CPU
-    model = empty_model(auto_cls, base, attn_implementation(device, compute), **cfg)
+    config, attn = AutoConfig.from_pretrained(base, **cfg), attn_implementation(device, compute)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = auto_cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adapters:
@@ -43,23 +46,68 @@ def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dt
     return model, load_weights(model, auto_cls, base, device, adapters)
 
 
+def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]:
+    """Allocate the (FSDP2-sharded) meta `model` on `device`, fill it with the checkpoint at `path`:
+    rank 0 reads the checkpoint into host RAM with from_pretrained (which handles key renames, tied
+    weights and the init of weights the checkpoint lacks) and broadcasts it tensor by tensor; every
+    rank keeps only its shard (torch's set_model_state_dict with broadcast_from_rank0). Buffers not
+    in a state dict (RoPE's inverse frequencies) are broadcast too. A collective: every rank calls
+    it. Returns the keys the checkpoint lacked (initialised on rank 0), the same on every rank.
+    `adapters` (common/lora.py): `model` has LoRA adapters; rank 0 puts the same on its copy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    full, buffers, missing = {}, {}, []
+    if dist.get_rank() == 0:
+        # "eager" attention: this copy only holds the weights; flash-attn would refuse a CPU model
+        kwargs = dict(dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+        source, info = auto_cls.from_pretrained(path, config=copy.deepcopy(model.config), **kwargs)
+        if adapters is not None:
+            adapters.fill(source)
+        full, buffers = source.state_dict(), dict(source.named_buffers())
+        missing = sorted(info["missing_keys"])
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    in_state_dict = set(model.state_dict())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in in_state_dict:
+                if dist.get_rank() == 0:
+                    buffer.copy_(buffers[name])
+                dist.broadcast(buffer, src=0)
+    message = [missing]
+    dist.broadcast_object_list(message, src=0)
+    return message[0]
+
+
+def attn_implementation(device, dtype) -> str:
+    """flash-attn 2 where it runs (installed, CUDA, Ampere or newer GPUs, 16-bit), else SDPA."""
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return "sdpa"
+    half = dtype in (torch.float16, torch.bfloat16)
+    return (
+        "flash_attention_2" if half and torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
+    )
+
+
 def load_policy(path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto"):
     """The policy: a causal LM, sharded by load_model (every script's model but rm.py's)."""
     from transformers import AutoModelForCausalLM
 
-    return load_model(AutoModelForCausalLM, path, device, gradient_checkpointing, adapters, dtype)[
-        0
-    ]
+    model, _ = load_model(
+        AutoModelForCausalLM, path, device, gradient_checkpointing, adapters, dtype
+    )
+    return model
 
 
 class Trainer:
     def __init__(self, load, paths: tuple, settings: dict, args, rank, world, addr, port):
-        """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader, given
-        paths[0] (the model, or the checkpoint to resume); paths[1] is the start model (π_ref, the
-        frozen base of LoRA adapters). `settings`, by name: seed, sp_size, dtype,
-        gradient_checkpointing, lora (lora.spec's), learning_rate, weight_decay, max_grad_norm,
-        frozen (the frozen copies: [] or ["ref_logprobs"]), colocate (an engine shares this GPU),
-        offload (the model waits in host RAM between calls, on_gpu). `args`: the script's flags, for its own functions."""
+        """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader, for
+        paths[0] (the model, or the checkpoint to resume); paths[1]: the start model (π_ref, the
+        LoRA base). `settings`, by name: seed, sp_size, dtype, gradient_checkpointing, lora
+        (lora.spec's), learning_rate, weight_decay, max_grad_norm, frozen ([] or ["ref_logprobs"]),
+        colocate (an engine shares this GPU), offload (the model waits in host RAM between calls).
+        `args`: the script's flags, for its own functions."""
         from transformers import AutoTokenizer
 
         s = self.settings = settings

@@ -1,13 +1,11 @@
 """vLLM's side of the weight sync: a "gloo" backend for CPU, and a check that updates are whole.
 
-A weight update that leaves a weight unset is silent in vLLM: the layer keeps what its memory holds
-(after sleep level 2, garbage), with a warning. `Whole` makes it fail, naming the first weight, in
-every backend: "checked-gloo" (below), "checked-nccl" and "checked-ipc" (vLLM's, CUDA-only).
-
-The gloo backend is registered with vLLM's two factories: trainers drive it as they drive vLLM's.
-Its group: trainer rank 0 (the sender) plus every engine worker (ranks 1..); both sides cut the same
-packed chunks from the same metadata, so only bytes travel. vLLM workers import it
-(`worker_extension_cls`: registering must happen where the engine is built), trainers lazily."""
+vLLM only warns when an update leaves a weight unset (the layer keeps its memory: after sleep
+level 2, garbage); `Whole` makes it fail, naming the first weight, in every backend: "checked-gloo"
+(below), "checked-nccl", "checked-ipc" (vLLM's, CUDA-only). Gloo is in vLLM's two factories; its
+group: trainer rank 0 (sender) + every engine worker (ranks 1..), both cutting the same chunks
+from the same metadata (only bytes travel). vLLM workers import this (`worker_extension_cls`:
+registering must happen where the engine is built), trainers lazily."""
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -30,9 +28,8 @@ class WorkerExtension:
 
 
 class Whole:
-    """Mixed into a WeightTransferEngine: every backend loads what it receives through the model's
-    `load_weights`, which returns the names it set; when the update finishes their union must be all
-    the model's parameters but KV_SCALES (vLLM's reload_weights only warns)."""
+    """Mixed into a WeightTransferEngine: the names the model's `load_weights` set during an update
+    must cover all its parameters but KV_SCALES (vLLM's reload_weights only warns)."""
 
     def start_weight_update(self) -> None:
         super().start_weight_update()
@@ -52,10 +49,9 @@ class Whole:
         missing = sorted(n for n in expected - self.received if not n.endswith(KV_SCALES))
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise RuntimeError(
-                f"the weight update set {len(expected) - len(missing)} of the engine's "
-                f"{len(expected)} weights; missing: {missing[0]}{more}"
-            )
+            raise RuntimeError(f"the weight update set {len(expected) - len(missing)} of the "
+                               f"engine's {len(expected)} weights; missing: "
+                               f"{missing[0]}{more}")  # fmt: skip
 
 
 def gloo_group(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -97,8 +93,7 @@ class GlooUpdateInfo(base.WeightTransferUpdateInfo):
 class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """Inference side: receive packed chunks by broadcast from rank 0, load by layerwise reload."""
 
-    init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
+    init_info_cls, update_info_cls = GlooInitInfo, GlooUpdateInfo
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = init_info.rank_offset + self.parallel_config.rank

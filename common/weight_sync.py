@@ -5,14 +5,11 @@
     ipc      colocated: a trainer rank, an engine per GPU  CUDA IPC handles to the trainer's tensors
     gloo     CPU                                           gloo broadcast (common/vllm_worker.py)
 
-Every trainer rank calls `init_weight_sync` once and `.push()` after each optimizer step: all ranks
-materialize the full tensors from their FSDP shards (a collective), rank 0 drives the engines
-through vLLM's protocol (start, update, finish). Two checks follow, so no engine serves stale or
-half-loaded weights in silence: the engines refuse an update that did not set every weight
-(common/vllm_worker.py), and `.check()` compares their log-probabilities of a probe text with the
-trainer's. With LoRA (--lora-rank) only the adapters travel (`AdapterTransfer`): a few MB that every
-engine loads in place through vLLM's LoRA API; --lora-merge-sync sends merged full weights instead.
-vLLM is imported lazily: this module loads in the driver too."""
+Each trainer rank calls `init_weight_sync` once, `.push()` after each optimizer step: all ranks
+gather full tensors from their FSDP shards, rank 0 drives the engines (start, update, finish). No
+stale or half-loaded weights in silence: engines refuse an update that missed a weight, `.check()`
+compares their log-probs of a probe text with the trainer's. LoRA: only the adapters travel
+(--lora-merge-sync: merged weights). vLLM is lazily imported: the driver loads this module too."""
 
 import ray
 import torch
@@ -23,16 +20,14 @@ from common.placement import actor_name, call
 from common.ring_attn import enable_ring_attention
 
 PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over the lazy dog."
-# Mean |log p_trainer - log p_engine| allowed on the probe's tokens, by the dtype both compute in.
-# CPU (fp32): ~1e-6 measured. bf16/fp16 kernels should differ by a few 1e-2 (not measured yet: each
-# push logs it as perf/sync_probe_gap; docs/errors.md says how to set these); a stale layer: nats.
+# Mean |log p_trainer - log p_engine| allowed on the probe by compute dtype (a stale layer: nats).
+# fp32 (CPU): ~1e-6, measured; bf16/fp16: a few 1e-2, guessed (perf/sync_probe_gap, docs/errors.md)
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
 
 
 def sync_weights(trainers: list, engines: list, colocated: bool) -> tuple[int, float]:
-    """The driver's call after each optimizer step: the trainers' weights into the engines, checked;
-    returns the bytes sent per engine and the probe's gap. Colocated, the engines wake their
-    weights' memory, then (the IPC copies freed) their KV cache, which the check needs."""
+    """After each optimizer step: trainers' weights into the engines, checked; returns bytes per
+    engine and the probe's gap. Colocated: wake weights, then (IPC copies freed) the KV cache."""
     if colocated:
         call(engines, "wake_up", ["weights"])
     sent = call(trainers, "push_weights", watch=engines)  # an engine that dies in it: named
@@ -87,8 +82,7 @@ class EngineClient:
 
 
 class AdapterTransfer:
-    """Adapter-only sync, the transfer engine's interface: every rank gathers the adapters' full
-    tensors (FSDP2: a collective), rank 0 hands them to every engine (Engine.load_adapter)."""
+    """Adapter-only transfer engine: all ranks gather the adapters (a collective), rank 0 sends."""
 
     def __init__(self, model, client: EngineClient, is_sender: bool, dtype: torch.dtype):
         self.model, self.client, self.is_sender, self.dtype = model, client, is_sender, dtype
@@ -122,9 +116,8 @@ class WeightSync:
 
     @torch.no_grad()
     def check(self) -> float | None:
-        """Every rank: the trainer's log p of the probe (a forward: collective under FSDP2); rank 0
-        returns the largest mean |log p_trainer - log p_engine| over the engines, others None."""
-        # log p(token_i | tokens < i), i >= 1: a plain forward of one short row (no ring attention)
+        """Every rank: the trainer's log p of the probe (plain forward, no ring attention; under
+        FSDP2 a collective); rank 0 returns the largest mean |log p_trainer - log p_engine|."""
         ring = next((m.sp_group for m in self.model.modules() if hasattr(m, "sp_group")), None)
         training, _ = self.model.training, self.model.eval()  # no dropout (--lora-dropout)
         enable_ring_attention(self.model, None)
@@ -144,22 +137,18 @@ class WeightSync:
             gap = max(gap, diff)
             if not diff <= self.tolerance:  # NaN fails too
                 name = f"{actor_name(client.engines[i])}#{i}"
-                raise RuntimeError(
-                    f"{name} does not serve the weights just pushed: its log-probabilities of a "
-                    f"probe text differ from the trainer's by {diff:.3g} on average (allowed "
-                    f"{self.tolerance:g})"
-                )
+                raise RuntimeError(f"{name} does not serve the weights just pushed: its "
+                                   f"log-probabilities of a probe text differ from the trainer's "
+                                   f"by {diff:.3g} on average (allowed "
+                                   f"{self.tolerance:g})")  # fmt: skip
         return gap
 
 
-def init_weight_sync(
-    model, tokenizer, engines: list, backend: str, rank: int, address: tuple, tp: int, dtype,
-    merge_lora: bool = False,
-) -> WeightSync:  # fmt: skip
-    """The trainer side of the weight sync, built on every trainer rank (a collective with the
-    engines); rank 0, the sender, rendezvouses with the engines at `address`. Weights travel in the
-    engines' `dtype` (bf16 on GPU: half fp32's bytes). A model with LoRA adapters sends only them
-    (with `merge_lora` its merged weights), once here: the engines loaded the base model only."""
+def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, address: tuple,
+                     tp: int, dtype, merge_lora: bool = False) -> WeightSync:  # fmt: skip
+    """The trainer side, built on every rank (a collective); rank 0 meets the engines at `address`.
+    Weights travel in the engines' `dtype` (bf16 on GPU: half fp32's bytes). LoRA models send only
+    the adapters (`merge_lora`: merged weights), once here: engines loaded only the base model."""
     probe = tokenizer(PROBE_TEXT).input_ids
     if lora.on(model) and not merge_lora:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -173,13 +162,11 @@ def init_weight_sync(
     from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
 
     class CastSource(ModuleSource):
-        """The model's parameters in the engines' dtype: each FSDP2 shard is cast, then gathered.
-        A model with LoRA adapters (--lora-merge-sync): its merged weights, W + (α / r) B A."""
+        """The engines' dtype: each FSDP2 shard cast, then gathered; with LoRA, W + (α / r) B A."""
 
         def metadata(self):
-            params = self._module.named_parameters()
             return [ParamMeta(n.replace(".base_layer.", "."), dtype, tuple(p.shape))
-                    for n, p in params if ".lora_" not in n]  # fmt: skip
+                    for n, p in self._module.named_parameters() if ".lora_" not in n]  # fmt: skip
 
         def __iter__(self):
             if lora.on(self._module):
@@ -202,8 +189,7 @@ def init_weight_sync(
     elif backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        # packed: the weights go through one reused buffer (1 GiB, or the largest tensor: it must
-        # fit one) instead of a full bf16 copy on every GPU
+        # packed: one reused buffer (1 GiB, or the largest tensor) for all, not a copy on every GPU
         size = max(2**30, max(p.numel() for p in model.parameters()) * dtype.itemsize)
         info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=size)
     else:

@@ -15,7 +15,7 @@ import torch
 import tyro
 from conftest import REPO
 
-from common import models as common_model
+from common import trainer as common_model
 from common.data import split_for_ranks
 
 SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
