@@ -145,19 +145,22 @@ class Args:
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
 # common/trainer.py's load_policy).
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
+def compute_logprobs(
+    model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0, entropy=False
+):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
     With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
-    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
+    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32; with
+    `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature, top_p):  # the head: log π(y_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # log π(y_t) (, H_t)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    return out.logits  # (N,)
+    return out.logits.unbind(-1) if entropy else out.logits  # (N,) (, (N,))
 
 
 def reward_fn(response: str, answer: str) -> float:

@@ -172,19 +172,22 @@ class Args:
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
 # common/trainer.py's load_policy).
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
+def compute_logprobs(
+    model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0, entropy=False
+):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
     With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
-    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
+    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32; with
+    `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature, top_p):  # the head: log π(y_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # log π(y_t) (, H_t)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    return out.logits  # (N,)
+    return out.logits.unbind(-1) if entropy else out.logits  # (N,) (, (N,))
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -228,6 +231,13 @@ def frozen_models(args: Args) -> list[str]:
     """The frozen copies of the starting model that the trainers hold, each named by the per-token
     values it gives compute_loss: π_ref's log-probabilities, only for the KL term."""
     return ["ref_logprobs"] if args.kl_coef > 0 else []
+
+
+def policy_values(args: Args) -> list[str]:
+    """The per-token values the policy's own forward gives compute_loss besides log π_θ: "entropy"
+    (H_t of π_θ at each response token, from the LM head's chunk loop, logged as train/entropy; a
+    loss that uses it, e.g. an entropy bonus -α H_t, gets its gradient too). [] turns it off."""
+    return ["entropy"]
 
 
 def compute_policy_loss(logprobs, old_logprobs, advantages, eps_low: float, eps_high: float):
@@ -306,7 +316,8 @@ def train_metrics(results: list[dict], args: Args) -> dict:
     """From the trainer ranks' sums (each rank its share of tokens; grad norm and lr are global)."""
     total = defaultdict(float)
     for rank in results:
-        for key in ("loss", "tokens", "clipped_tokens", "tis_sum", "logprob_diff_sum", "kl_sum"):
+        keys = ("loss", "tokens", "clipped_tokens", "tis_sum", "logprob_diff_sum", "kl_sum")
+        for key in (*keys, "entropy_sum"):
             total[key] += rank.get(key, 0.0)
     updates = args.num_minibatches * args.num_epochs  # each update's loss is a mean: average them
     metrics = {
@@ -322,6 +333,8 @@ def train_metrics(results: list[dict], args: Args) -> dict:
         "train/logprob_diff_mean": total["logprob_diff_sum"] / (total["tokens"] / args.num_epochs),
         "train/logprob_diff_max": max(rank.get("logprob_diff_max", 0.0) for rank in results),
     }
+    if any("entropy_sum" in rank for rank in results):  # falling fast: entropy collapse
+        metrics["train/entropy"] = total["entropy_sum"] / total["tokens"]
     if any("kl_sum" in rank for rank in results):
         metrics["train/kl"] = total["kl_sum"] / total["tokens"]
     return metrics
@@ -425,8 +438,11 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 # reduce-scatter gradients after the minibatch's last micro-batch only
                 model.set_requires_gradient_sync(i == len(mini) - 1)
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
                 values = dict(mb["values"])
+                if "entropy" in policy_values(args):  # H_t, from the same forward
+                    logprobs, values["entropy"] = compute_logprobs(model, *inputs, *sampled, True)
+                else:
+                    logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
                 if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
                     values["old_logprobs"] = logprobs.detach()
                 loss, token_stats = compute_loss(logprobs, values, args)
@@ -439,6 +455,8 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 stats["tokens"] += len(logprobs) * real
                 for key, value in token_stats.items():
                     stats[key] += value.item() * real
+                if "entropy" in values:
+                    stats["entropy_sum"] += values["entropy"].sum().item() * real
                 # trainer vs engine, before any update: do they hold the same weights?
                 if epoch == 0 and real and len(logprobs) and "engine_logprobs" in values:
                     diff = (values["old_logprobs"] - values["engine_logprobs"]).abs()
@@ -698,9 +716,8 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
     lora.check_model(args, model_path)
-    memory.check_run(
-        args, use_gpu, model_path, bool(frozen_models(args))
-    )  # a run that cannot fit stops
+    entropy = "entropy" in policy_values(args)  # the LM head's chunks: one more
+    memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), entropy=entropy)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()

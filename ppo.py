@@ -193,19 +193,22 @@ class Args:
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
 # common/trainer.py's load_policy).
-def compute_logprobs(model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0):
+def compute_logprobs(
+    model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0, entropy=False
+):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
     With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
     input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
-    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32.
+    (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32; with
+    `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature, top_p):  # the head: log π(y_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # log π(y_t) (, H_t)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    return out.logits  # (N,)
+    return out.logits.unbind(-1) if entropy else out.logits  # (N,) (, (N,))
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -315,6 +318,13 @@ def explained_variance(values, returns, mask) -> float:
     return (1 - var(returns - values) / var(returns)).item() if var(returns) > 0 else float("nan")
 
 
+def policy_values(args: Args) -> list[str]:
+    """The per-token values the policy's own forward gives compute_loss besides log π_θ: "entropy"
+    (H_t of π_θ at each response token, from the LM head's chunk loop, logged as train/entropy; a
+    loss that uses it, e.g. an entropy bonus -α H_t, gets its gradient too). [] turns it off."""
+    return ["entropy"]
+
+
 def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps: float):
     """Per-token clipped surrogate (negated: a loss), all (N,); also where the clip was active."""
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))  # ρ, finite (inf·0 would be NaN)
@@ -400,13 +410,14 @@ def train_metrics(policy: list[dict], critic: list[dict], args: Args, values, re
     """From both groups' sums (each rank its share of tokens; grad norms and lr are global)."""
     total = defaultdict(float)
     for rank in policy:
-        for key in ("policy_loss", "tokens", "clipped_tokens", "approx_kl_sum"):
+        for key in ("policy_loss", "tokens", "clipped_tokens", "approx_kl_sum", "entropy_sum"):
             total[key] += rank.get(key, 0.0)
     for rank in critic:
         for key in ("value_loss", "value_clipped_tokens"):
             total[key] += rank.get(key, 0.0)
     updates, tokens = args.num_minibatches * args.num_epochs, total["tokens"]
-    return {
+    entropy = {"train/entropy": total["entropy_sum"] / tokens} if "entropy_sum" in policy[0] else {}
+    return entropy | {
         "train/policy_loss": total["policy_loss"] / updates,
         "train/value_loss": total["value_loss"] / updates,
         "train/clipfrac": total["clipped_tokens"] / tokens,
@@ -540,8 +551,12 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
             for i, mb in enumerate(mini):
                 model.set_requires_gradient_sync(i == len(mini) - 1)
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-                logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
-                loss, token_stats = compute_loss(logprobs, response_values(mb), args)
+                values = response_values(mb)
+                if "entropy" in policy_values(args):  # H_t, from the same forward
+                    logprobs, values["entropy"] = compute_logprobs(model, *inputs, *sampled, True)
+                else:
+                    logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
+                loss, token_stats = compute_loss(logprobs, values, args)
                 # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
                 real = mb["loss_scale"].item()
                 loss = loss * mb["loss_scale"]
@@ -551,6 +566,8 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 stats["tokens"] += len(logprobs) * real
                 for key, value in token_stats.items():
                     stats[key] += value.item() * real
+                if "entropy" in values:
+                    stats["entropy_sum"] += values["entropy"].sum().item() * real
             stats["grad_norm_sum"] += trainer.optimizer_step(step)
     stats["lr"] = trainer.optimizer.param_groups[0]["lr"]
     return dict(stats)
@@ -915,7 +932,8 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     lora.check_model(args, model_path)
     lora.check_model(args, critic_path, head="score")
     # a run that cannot fit stops here; colocated, the critic and reward model may wait in host RAM
-    offload = memory.check_run(args, use_gpu, model_path, True, critic_path, reward_model_path)
+    planned = (model_path, True, critic_path, reward_model_path)  # policy, π_ref, critic, RM
+    offload = memory.check_run(args, use_gpu, *planned, entropy="entropy" in policy_values(args))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()

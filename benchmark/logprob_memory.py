@@ -39,7 +39,7 @@ def measure(kind: str, tokens: int, vocab: int, hidden: int) -> None:
     if kind == "plain":
         logp = torch.log_softmax((h @ w.T).float(), dim=-1).gather(1, labels[:, None]).squeeze(1)
     else:
-        logp = TokenLogprobs.apply(h, w, labels, 1.0, 0.9 if kind == "top-p" else 1.0)
+        logp, _ = TokenLogprobs.apply(h, w, labels, 1.0, 0.9 if kind == "top-p" else 1.0, False)
     logp.sum().backward()
     print(f"{(vm_kb('VmHWM') - base) / 2**20:.2f} {time.time() - t0:.1f}")
 

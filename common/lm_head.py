@@ -16,13 +16,15 @@ from common.memory import HEAD_CHUNK_BYTES
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log π at temperature T (and top-p)."""
+    """hidden (N, H), weight (V, H), labels (N,) -> (N,) fp32 log π at temperature T (and top-p),
+    and with `entropy` the (N,) entropy H = -Σ_v π(v) log π(v) of that distribution, else None."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature: float, top_p: float):
+    def forward(ctx, hidden, weight, labels, temperature: float, top_p: float, entropy: bool):
         chunk = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse, logp = torch.empty_like(out), None
+        ent = torch.empty_like(out) if entropy else None
         for s in range(0, hidden.shape[0], chunk):
             z = (hidden[s : s + chunk] @ weight.T).float() / temperature  # (c, V)
             z = nucleus(z, labels[s : s + chunk], top_p)
@@ -30,14 +32,18 @@ class TokenLogprobs(torch.autograd.Function):
             logp = torch.log_softmax(z, dim=-1)
             out[s : s + chunk] = logp.gather(1, labels[s : s + chunk, None]).squeeze(1)
             lse[s : s + chunk] = z_y - out[s : s + chunk]  # logsumexp(z), for the backward
+            if entropy:  # entr(p) = -p log p, 0 where p = 0 (outside the nucleus)
+                ent[s : s + chunk] = torch.special.entr(logp.exp()).sum(dim=-1)
         logp = logp if hidden.shape[0] <= chunk else None  # one chunk: kept, not recomputed
-        ctx.save_for_backward(hidden, weight, labels, lse, logp)
+        ctx.save_for_backward(hidden, weight, labels, lse, logp, ent)
         ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
-        return out
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, labels, lse, logp = ctx.saved_tensors
+    def backward(ctx, grad, grad_ent):
+        hidden, weight, labels, lse, logp, ent = ctx.saved_tensors
+        # ∂H/∂z = -π (log π + H): only where the loss uses H (logged alone, its gradient is 0)
+        grad_ent = grad_ent if grad_ent is not None and grad_ent.any() else None
         T, chunk = ctx.temperature, ctx.chunk
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None  # accumulated in fp32 over the chunks
@@ -46,7 +52,11 @@ class TokenLogprobs(torch.autograd.Function):
             if logp is None:  # recomputed: (c, V)
                 z = nucleus((h @ weight.T).float() / T, labels[s : s + chunk], ctx.top_p)
                 logp = z.sub_(lse[s : s + chunk, None])
-            dz = logp.exp_().mul_(-g)  # -g softmax(z) ...
+            coef = g  # + g_H (log π + H) where the loss uses H; 0 outside the nucleus (π = 0)
+            if grad_ent is not None:
+                coef = logp.add(ent[s : s + chunk, None]).nan_to_num_(0, 0, 0)
+                coef = coef.mul_(grad_ent[s : s + chunk, None]).add_(g)
+            dz = logp.exp_().mul_(-coef)  # -coef softmax(z) ...
             logp = None
             dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # + g onehot(y); z = W h / T
             if grad_hidden is not None:
@@ -55,7 +65,7 @@ class TokenLogprobs(torch.autograd.Function):
                 h = h.float()
                 grad_weight = dz.T @ h if grad_weight is None else grad_weight.addmm_(dz.T, h)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def nucleus(z: torch.Tensor, labels: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -73,13 +83,14 @@ def nucleus(z: torch.Tensor, labels: torch.Tensor, top_p: float) -> torch.Tensor
 class LogprobHead(torch.nn.Linear):
     """The LM head (same weight): logits, or in `token_logprobs` the labels' log-probabilities."""
 
-    targets = None  # (labels (N,), temperature, top_p) while token_logprobs is active
+    targets = None  # (labels (N,), temperature, top_p, entropy) while token_logprobs is active
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:
             return super().forward(hidden)
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        return TokenLogprobs.apply(hidden, self.weight, *self.targets)  # (N,)
+        logprobs, ent = TokenLogprobs.apply(hidden, self.weight, *self.targets)
+        return logprobs if ent is None else torch.stack((logprobs, ent), dim=-1)  # (N,) or (N, 2)
 
 
 def install(model) -> None:
@@ -91,12 +102,13 @@ def install(model) -> None:
 
 
 @contextmanager
-def token_logprobs(model, labels: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0):
-    """In this block the model's `logits` are the (N,) log-probabilities of `labels`."""
+def token_logprobs(model, labels, temperature: float = 1.0, top_p: float = 1.0, entropy=False):
+    """In this block the model's `logits` are the (N,) log-probabilities of `labels` (with
+    `entropy`, (N, 2): and the entropy of each position's distribution)."""
     if not isinstance(model.get_output_embeddings(), LogprobHead):
         install(model)
     head = model.get_output_embeddings()
-    head.targets = (labels, temperature, top_p)
+    head.targets = (labels, temperature, top_p, entropy)
     try:
         yield
     finally:

@@ -226,16 +226,17 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
 
 
 def check_run(args, use_gpu: bool, policy: str, reference=None, critic=None, reward_model=None,
-              head="lm") -> bool:  # fmt: skip
+              head="lm", entropy=False) -> bool:  # fmt: skip
     """GPU: plan a script's run (model folders), print the plan, refuse it if it cannot fit; return
-    whether idle models are offloaded. `reference` default: --kl-coef > 0. CPU: check_kv_cache."""
+    whether idle models are offloaded. `reference` default: --kl-coef > 0. `entropy`: the LM head
+    also gives H_t (one chunk more, for its gradient). CPU: check_kv_cache."""
     if not use_gpu:
         from common.engines import check_kv_cache  # CPU: the engines' memory is their KV cache
 
         check_kv_cache(args, policy)
         return False
     reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
-    chunks = (head == "lm") * (6.5 if getattr(args, "top_p", 1) < 1 else 3)  # the LM head's
+    chunks = (head == "lm") * ((6.5 if getattr(args, "top_p", 1) < 1 else 3) + entropy)
     targets = [t.strip() for t in getattr(args, "lora_target_modules", "").split(",")]
 
     def plan(rank: int) -> Job:  # with LoRA adapters of this rank (0: every weight trained)

@@ -115,14 +115,11 @@ class Trainer:
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(s["seed"])
         self.tokenizer = AutoTokenizer.from_pretrained(paths[0])
-        # --lora-rank: adapters on the frozen start model, from paths[0] on --resume
-        adapters = lora.adapters(s["lora"], paths[1], paths[0])
+        adapters = lora.adapters(s["lora"], paths[1], paths[0])  # on the start model
         self.model = load(paths[0], self.device, s["gradient_checkpointing"], adapters, s["dtype"])
-        # DP x SP: ranks [k*sp, (k+1)*sp) share data shard k
-        self.sp = sp_groups(world, s["sp_size"])
+        self.sp = sp_groups(world, s["sp_size"])  # DP x SP: ranks [k*sp, (k+1)*sp) share shard k
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        # π_ref: a frozen copy of the start model (also on --resume), each named by the per-token
-        # values it gives the loss; with LoRA the policy with its adapters off (no second copy)
+        # π_ref: a frozen copy of the start model (also on --resume), named by the values it gives
         self.frozen = {name: self.frozen_model(load, paths[1], adapters) for name in s["frozen"]}
         params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
         lr, decay = s["learning_rate"], s["weight_decay"]
@@ -131,7 +128,7 @@ class Trainer:
         self.on_gpu(False)
 
     def frozen_model(self, load, path: str, adapters):
-        if adapters:
+        if adapters:  # the policy with its adapters off: no second copy
             return lora.Disabled(self.model)
         frozen = load(path, self.device, False, None, self.settings["dtype"])
         frozen.eval().requires_grad_(False)
@@ -171,8 +168,7 @@ class Trainer:
         return grad_norm.item()
 
     def on_gpu(self, needed: bool):
-        """With `offload` (the hybrid engine short of memory, as the memory plan decides): the model
-        and its optimizer wait in host RAM while vLLM generates and the others train."""
+        """`offload` (the memory plan's choice): model and optimizer wait in host RAM when idle."""
         if self.settings.get("offload") and needed:
             to_device(self.model, self.optimizer, self.device)
         elif self.settings.get("offload"):

@@ -24,6 +24,23 @@ def plain(hidden, weight, labels, temperature, top_p=1.0):
     return -F.cross_entropy(z, labels, reduction="none")
 
 
+def plain_entropy(hidden, weight, labels, temperature, top_p=1.0):
+    """H = -Σ_v π(v) log π(v) of the same distribution, through autograd (0 log 0 = 0)."""
+    z = (hidden @ weight.T).float() / temperature
+    logp = plain(hidden, weight, labels, temperature, top_p)  # to find the nucleus: its lse
+    if top_p < 1:
+        lse = z.gather(1, labels[:, None]).squeeze(1) - logp
+        probs, order = z.softmax(dim=-1).sort(dim=-1, descending=True)
+        inside = torch.zeros_like(z, dtype=torch.bool).scatter(
+            1, order, probs.cumsum(-1) - probs < top_p
+        )
+        inside[torch.arange(len(labels)), labels] = True
+        logq = torch.where(inside, z - lse[:, None], torch.zeros_like(z))
+        return -(torch.where(inside, logq.exp(), torch.zeros_like(z)) * logq).sum(dim=-1)
+    logq = torch.log_softmax(z, dim=-1)
+    return -(logq.exp() * logq).sum(dim=-1)
+
+
 @pytest.mark.parametrize("tokens_per_chunk", [1, 7, 64, 1000])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.5)])
 def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, temperature, top_p):
@@ -41,12 +58,48 @@ def test_chunked_logprobs_equal_the_plain_ones(monkeypatch, tokens_per_chunk, te
     (ref * upstream).sum().backward()
     ref_grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    out = lm_head.TokenLogprobs.apply(hidden, weight, labels, temperature, top_p)
+    out, _ = lm_head.TokenLogprobs.apply(hidden, weight, labels, temperature, top_p, False)
     (out * upstream).sum().backward()
 
     assert (out - ref).abs().max() <= 1e-6
     for got, want in zip((hidden.grad, weight.grad), ref_grads):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 7, 1000])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.7, 0.5)])
+def test_entropy_from_the_chunk_loop_equals_the_plain_one(
+    monkeypatch, tokens_per_chunk, temperature, top_p
+):
+    """The head's entropy H_t (the entropy hook's values["entropy"]): values and the gradient of a
+    loss using both log π and H equal autograd through the plain computation; logged alone (its
+    gradient 0), the gradient of log π is bitwise the one without the entropy."""
+    torch.manual_seed(0)
+    N, H, V = 37, 16, 500
+    monkeypatch.setattr(lm_head, "HEAD_CHUNK_BYTES", 4 * V * tokens_per_chunk)
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight = (torch.randn(V, H) / H**0.5).requires_grad_()
+    labels, up, up_h = torch.randint(0, V, (N,)), torch.randn(N), torch.randn(N)
+
+    ref = plain(hidden, weight, labels, temperature, top_p)
+    ref_h = plain_entropy(hidden, weight, labels, temperature, top_p)
+    ((ref * up).sum() + (ref_h * up_h).sum()).backward()
+    want = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    out, ent = lm_head.TokenLogprobs.apply(hidden, weight, labels, temperature, top_p, True)
+    ((out * up).sum() + (ent * up_h).sum()).backward()
+    assert (ent - ref_h).abs().max() <= 1e-5 and (ent > 0).all()
+    for got, w in zip((hidden.grad, weight.grad), want):
+        assert (got - w).abs().max() <= 1e-5 * w.abs().max()
+
+    grads = []
+    for entropy in (False, True):  # the entropy logged only: log π's gradient unchanged
+        hidden.grad = weight.grad = None
+        out, ent = lm_head.TokenLogprobs.apply(hidden, weight, labels, temperature, top_p, entropy)
+        both = out if ent is None else torch.stack((out, ent), dim=-1)[:, 0]  # 0 into H
+        (both * up).sum().backward()
+        grads.append((hidden.grad.clone(), weight.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_compute_logprobs_through_an_fsdp2_model_equals_the_formula_it_replaced(
@@ -99,8 +152,9 @@ def test_no_tokens_at_all():
     """A rank's share of a row under ring attention can hold no response token: (0,) out, zero
     gradients."""
     hidden, weight = torch.randn(0, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
-    out = lm_head.TokenLogprobs.apply(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0, 1.0)
-    out.sum().backward()
+    none = torch.zeros(0, dtype=torch.long)
+    out, ent = lm_head.TokenLogprobs.apply(hidden, weight, none, 1.0, 1.0, True)
+    (out.sum() + ent.sum()).backward()
     assert out.shape == (0,) and hidden.grad.shape == (0, 16)
     assert weight.grad is None or not weight.grad.any()
 

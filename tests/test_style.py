@@ -11,19 +11,18 @@ import tyro
 from conftest import REPO
 
 SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
-# About 5 % above the sizes at 100-column lines: growth past them is a decision, not drift.
-# LoRA raised each by its five flags and the adapters' loading (ppo.py: the critic's too); --dtype
-# (float16 on GPUs below compute capability 8.0: its flag, the loss scale in the backward pass and
-# the optimizer step) and the probe gap logged at every push by up to 15 more. STYLE.md's targets
-# (420 / 600 / 850) are the trainer shell's move to common/, next.
-BUDGET = {
-    "sft.py": 545,
-    "rm.py": 530,
-    "dpo.py": 640,
-    "grpo.py": 815,
-    "ppo.py": 1150,  # + loss_weights (ALGO block), whole checkpoints, --no-save-final, LoRA
-    "dapo.py": 855,
-    "grpo_async.py": 890,
+# Just above the sizes: growth past them is a decision, not drift. The trainer shell's move to
+# common/trainer.py (model load, FSDP2/LoRA, optimizer step, weight sync, save/load; the update stays
+# in each script) took each script down by 65-125 lines; STYLE.md's targets (420 / 600 / 850) need
+# the shared flag groups and the loop's plumbing to follow.
+BUDGET = {  # + the entropy hook (policy_values, train/entropy) in the RL scripts
+    "sft.py": 480,
+    "rm.py": 485,
+    "dpo.py": 575,
+    "grpo.py": 730,
+    "ppo.py": 1045,  # the policy's and the critic's update, the reward model actor
+    "dapo.py": 770,
+    "grpo_async.py": 805,
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
@@ -93,7 +92,8 @@ def test_common_stays_small():
     # LoRA added common/lora.py (~255 lines: PEFT under FSDP2, π_ref as the base, PEFT folders,
     # merged weights) and ~180 in the engines, the weight sync, checkpoints and the memory plan.
     # On 2026-11-27 STYLE.md set the cap at 3,500 for the trainer shell's move to common/; the
-    # compute dtype (common/precision.py: float16 for T4-class GPUs, loss scaling) came first.
+    # compute dtype (common/precision.py: float16 for T4-class GPUs, loss scaling) came first; the
+    # shell (common/trainer.py) fit by tightening docstrings across common/.
     assert total <= 3500, f"common/ has {total} lines"
 
 

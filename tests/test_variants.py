@@ -12,6 +12,7 @@ import torch
 from conftest import REPO, tagged_diff
 from test_labs import plumbing_edits
 
+from common.data import split_for_ranks
 from common.errors import check_ranges, flag_ranges
 
 TAG = re.compile(r"# DRGRPO \(([a-z-]+)\)")
@@ -73,3 +74,56 @@ def test_the_checklist_makes_a_variant_that_passes_the_variant_checks(tmp_path):
               "advantages": torch.ones(6), "loss_weights": weights}  # fmt: skip
     loss, _ = drgrpo.compute_loss(torch.zeros(6), values, args)
     assert loss.item() == pytest.approx(-6 / 16)
+
+
+ENTROPY_BONUS = [  # an entropy bonus (-α H_t in the loss): the hook's values["entropy"], one flag
+    (
+        "    token_loss = tis * pg_loss\n",
+        '    token_loss = tis * pg_loss - args.entropy_coef * values["entropy"]  # ENT (bonus)\n',
+    ),
+    (
+        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n',
+        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n'
+        '    entropy_coef: Annotated[float, ">= 0"] = 0.01  # ENT (bonus): the weight α of H_t\n'
+        '    """α: weight of the entropy bonus -α H_t in the loss"""\n',
+    ),
+]
+
+
+def test_an_entropy_bonus_is_a_few_lines_and_its_gradient_raises_the_entropy(
+    tmp_path, one_rank_group, tiny_model
+):
+    """docs/variants.md's entropy bonus on a copy of grpo.py: 4 changed lines, no plumbing edited.
+    Its loss reaches the LM head's entropy gradient: with zero advantages (no policy-gradient
+    signal), one update with the bonus raises the policy's entropy on the trained tokens, and
+    without it (α = 0) leaves the loss unchanged by the entropy."""
+    import torch.distributed as dist
+
+    with open(f"{REPO}/grpo.py") as f:
+        text = f.read()
+    variant = text
+    for old, new in ENTROPY_BONUS:
+        assert text.count(old) == 1, old
+        variant = variant.replace(old, new)
+    path = tmp_path / "grpo_entropy.py"
+    path.write_text(variant)
+    changed, untagged, _ = tagged_diff("grpo.py", str(path), re.compile(r"# ENT \(bonus\)"))
+    assert changed <= 5 and not untagged
+    spec = importlib.util.spec_from_file_location("grpo_entropy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    addr, port = one_rank_group
+    args = module.Args(entropy_coef=1.0, learning_rate=1e-4, warmup_steps=0, max_grad_norm=100.0)
+    trainer = module.Trainer.__ray_actor_class__(
+        *module.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
+    )
+    seq = module.make_sequence([5, 6, 7], [8, 9, 10, 11], advantages=[0.0] * 4,
+                               loss_weights=[0.25] * 4, engine_logprobs=[-1.0] * 4)  # fmt: skip
+    entropies = []
+    for step in range(2):
+        stats = module.train_step(trainer, [split_for_ranks([seq], 1, 64)[0]], step)
+        entropies.append(stats["entropy_sum"] / stats["tokens"])  # before this step's update
+        assert stats["loss"] == pytest.approx(-entropies[-1], rel=1e-5)  # the loss is -α H
+    assert entropies[1] > entropies[0] + 1e-5, entropies  # near log V already: a small rise
+    dist.destroy_process_group()
