@@ -375,8 +375,8 @@ def make_sequence(prompt: list[int], response: list[int], **per_response) -> dic
 
     Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that
     predict response tokens, so they line up with what compute_logprobs (and ppo.py's
-    compute_values) return for the masked positions; in the actor, `response_values` reads them back
-    as (N,) tensors, one per name.
+    compute_values) return for the masked positions; in the update, `response_values` reads them
+    back as (N,) tensors, one per name.
     """
     ids = prompt + response
     pad = [0.0] * (len(prompt) - 1)

@@ -237,13 +237,14 @@ def load_critic(
     default). Sharded as every model is (common/trainer.py's load_model); with `adapters`
     (--lora-rank) its own LoRA adapters on its own frozen copy of the base, the head trained whole.
     """
-    cfg = dict(num_labels=1)
     model, missing = load_model(AutoScoreModel, path, device, gradient_checkpointing, adapters,
-                                dtype, **cfg)  # fmt: skip
+                                dtype, num_labels=1)  # fmt: skip
     if model.config.pad_token_id is None:  # HF's own scoring needs it
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
-        model.config.pad_token_id = tokenizer.eos_token_id if pad is None else pad
+        if pad_token_id is None:  # the tokenizer's pad token, else EOS
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            pad_token_id = tokenizer.pad_token_id
+            pad_token_id = tokenizer.eos_token_id if pad_token_id is None else pad_token_id
+        model.config.pad_token_id = pad_token_id
     resumed = adapters is not None and adapters.resume is not None  # its head came with them
     if any(k.startswith("score.") for k in missing) and not resumed:
         with torch.no_grad():
@@ -489,8 +490,8 @@ def make_sequence(prompt: list[int], response: list[int], **per_response) -> dic
 
     Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that
     predict response tokens, so they line up with what compute_logprobs (and ppo.py's
-    compute_values) return for the masked positions; in the actor, `response_values` reads them back
-    as (N,) tensors, one per name.
+    compute_values) return for the masked positions; in the update, `response_values` reads them
+    back as (N,) tensors, one per name.
     """
     ids = prompt + response
     pad = [0.0] * (len(prompt) - 1)

@@ -144,9 +144,11 @@ def load_reward_model(
     auto = AutoModelForSequenceClassification
     model, _ = load_model(auto, path, device, gradient_checkpointing, adapters, dtype, num_labels=1)
     if model.config.pad_token_id is None:  # HF's own scoring needs it to find a row's last token
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
-        model.config.pad_token_id = tokenizer.eos_token_id if pad is None else pad
+        if pad_token_id is None:  # the tokenizer's pad token, else EOS
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            pad_token_id = tokenizer.pad_token_id
+            pad_token_id = tokenizer.eos_token_id if pad_token_id is None else pad_token_id
+        model.config.pad_token_id = pad_token_id
     return model
 
 
@@ -470,7 +472,7 @@ def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
 
 def trainer_shell(args: Args, *paths: str) -> tuple:
     """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
-    policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
+    model (or the checkpoint to resume) and the start model; what it takes from the flags."""
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, frozen=[],
                     lora=lora.spec(args, whole=("score",)),  # the score head trained whole
                     gradient_checkpointing=args.gradient_checkpointing,
