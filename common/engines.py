@@ -34,15 +34,15 @@ KV_BLOCK = 128  # tokens: vLLM's CPU KV cache comes in blocks of this many
 
 
 class KnownWarnings(logging.Filter):
-    """vLLM warnings dropped as noise (by vllm_logging.json): settings made on purpose, CPU hints,
-    and the layer-reload warning, which vllm_worker.Whole makes fatal."""
+    """vLLM warnings dropped as noise (by vllm_logging.json): settings made on purpose (fp32
+    weights served in bf16), CPU hints, the layer-reload one (vllm_worker.Whole makes it fatal)."""
 
     TEXTS = ("Failed to load weights", "The global random seed is set",
              "does not officially support disabling chunked", "Enforce eager set",
              "Inductor compilation was disabled", "Triton is not installed",
              "Model Runner V2 requires", "libtcmalloc is not found", "libiomp is not found",
              "leaving Torch threads", "torch.set_num_threads` after", "Reset SSM cache type",
-             "different tokenizers for different LoRAs")  # fmt: skip
+             "different tokenizers for different LoRAs", "float32 into parameter")  # fmt: skip
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.TEXTS)

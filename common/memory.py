@@ -16,7 +16,7 @@ from common.errors import InputError
 from common.precision import BYTES, SHORT, first_gpu
 
 GiB = 2**30
-CONTEXT = 0.5 * GiB  # per process using a GPU: the CUDA context and allocators' state (estimate)
+CONTEXT = 1.0 * GiB  # per GPU process: its CUDA context, workspaces (0.8 on an H200: benchmarks.md)
 HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens in the LM head (lm_head.py)
 
 

@@ -137,11 +137,16 @@ def test_engines_log_vllm_warnings_less_the_known_ones(tmp_path):
         "log = logging.getLogger('vllm.model_executor.model_loader.reload.layerwise')\n"
         "log.warning('Something new went wrong'); log.info('an info line')\n"
         "log.warning('RotaryEmbedding: Failed to load weights')\n"
+        # the first GPU run: once per norm/projection, the built-in fp32 checkpoint served in bf16
+        "import torch; fmt = 'Attempted to load weight %s with dtype %s into parameter with dtype %s'\n"
+        "log.warning(fmt, 'norm.weight', torch.float32, torch.bfloat16)\n"
+        "log.warning(fmt, 'lm_head.weight', torch.bfloat16, torch.float16)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Something new went wrong" in out.stdout and "WARNING" in out.stdout
     assert "an info line" not in out.stdout and "Failed to load weights" not in out.stdout
+    assert "norm.weight" not in out.stdout and "lm_head.weight" in out.stdout  # bf16 -> fp16 stays
 
 
 def test_gpu_check_has_its_steps_and_refuses_without_a_gpu(tmp_path):

@@ -52,7 +52,7 @@ def test_a_plan_that_cannot_fit_is_refused_naming_the_numbers_and_a_fix(shapes):
     with pytest.raises(SystemExit) as e:
         memory.check(job, H100)
     assert re.fullmatch(
-        r"error: memory plan: GPU 0 training the policy needs 126\.1 GiB of 80 \(weights \+ grads \+ AdamW 113\.5, "
+        r"error: memory plan: GPU 0 training the policy needs 127\.1 GiB of 80 \(weights \+ grads \+ AdamW 113\.5, "
         r".*\): does not fit; it would fit with more GPUs: --num-trainers 2 --num-engines 2",
         str(e.value.code),
     ), e.value.code
@@ -136,7 +136,7 @@ def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model)
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "80")
     assert memory.check_run(args, True, tiny_model, reference=False) is False
     assert re.fullmatch(
-        r"memory plan: GPU 0 generating needs 33\.1 GiB of 80 \(.*\): fits\n",
+        r"memory plan: GPU 0 generating needs 34\.1 GiB of 80 \(.*\): fits\n",
         capsys.readouterr().out,
     )
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "1")
