@@ -62,9 +62,9 @@ def check_ranges(args) -> None:
 
 
 def parse_args(args_cls, argv: list[str] | None = None):
-    """tyro.cli, with one `error:` line (exit status 1) where tyro prints a box and exits 2: a flag
-    not in Args (or a sibling's: no_flag), no value, a non-number. On sys.argv it also makes SIGTERM
-    and Ctrl-C end the run in one line. --resume keeps the run's flags (keep_run_settings)."""
+    """tyro.cli, with one `error:` line (exit 1) where tyro prints a box and exits 2: a flag not in
+    Args (or a sibling's: no_flag), no value, a non-number; --help shows each flag's range. On
+    sys.argv SIGTERM and Ctrl-C end the run in one line. --resume keeps the run's flags."""
     import tyro
 
     if argv is None:
@@ -89,6 +89,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
                 raise InputError(f"{flag} needs a value")
             value, i = argv[i], i + 1
         _check_number(flag, kinds[flag], value)
+    for name, rule in flag_ranges(args_cls).items() if {"-h", "--help"} & set(argv) else ():
+        hint = tyro.conf.arg(help_behavior_hint=lambda d, r=rule: f"(default: {d}; {r})")
+        args_cls.__annotations__[name] = typing.Annotated[args_cls.__annotations__[name], hint]
     args = tyro.cli(args_cls, args=argv)
     from common import checkpoint  # it imports this module
 
@@ -122,9 +125,8 @@ def no_flag(flag: str, kinds: dict, script: str) -> str:
 def _check_number(flag: str, kind, value: str) -> None:
     """A flag's value: the int or float its type says (None where allowed) or a Literal choice."""
     if typing.get_origin(kind) is typing.Literal:
-        if value not in typing.get_args(kind):
-            choices = ", ".join(typing.get_args(kind))
-            raise InputError(f"{flag} takes one of {choices} (got {value!r})")
+        if value not in (choices := typing.get_args(kind)):
+            raise InputError(f"{flag} takes one of {', '.join(choices)} (got {value!r})")
         return
     types = typing.get_args(kind) or (kind,)
     if value == "None" and type(None) in types:

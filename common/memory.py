@@ -189,8 +189,7 @@ def gpu_capacity() -> float | None:
     """Bytes of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else None."""
     if os.environ.get("POSTTRAIN_GPU_MEMORY_GIB"):
         return float(os.environ["POSTTRAIN_GPU_MEMORY_GIB"]) * GiB
-    total = first_gpu("memory.total")  # MiB
-    return float(total[0]) * 2**20 if total and total[0].isdigit() else None
+    return float(t[0]) * 2**20 if (t := first_gpu("memory.total")) and t[0].isdigit() else None
 
 
 def describe(row: tuple, capacity: float | None) -> str:
@@ -216,8 +215,7 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
                          f"not fit --engine-memory {job.engine_memory:g} of "
                          f"{capacity / GiB:.0f} GiB with room for a KV cache: raise --engine-memory"
                          + ("" if job.colocate else " or --engine-tp"))  # fmt: skip
-    worst = peak(job, capacity)
-    if worst[3] > capacity:
+    if (worst := peak(job, capacity))[3] > capacity:
         fixes = remedies(job, capacity, lora_job)
         hint = f"; it would fit with {' or '.join(fixes)}" if fixes else ""
         raise InputError(f"memory plan: {describe(worst, capacity)}: does not fit{hint}")

@@ -3,12 +3,14 @@
 import ast
 import importlib
 import os
+import re
 import subprocess
 import sys
 
 import pytest
-import tyro
 from conftest import REPO
+
+from common.errors import flag_ranges, parse_args
 
 SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
 # Just above the sizes: growth past them is a decision, not drift. The trainer shell's move to
@@ -103,10 +105,15 @@ def test_help_works(script, capsys):
     test_bad_input.py's test_one_error_line_in_a_real_process)."""
     module = importlib.import_module(script[:-3])
     with pytest.raises(SystemExit) as e:
-        tyro.cli(module.Args, args=["--help"])
-    out = capsys.readouterr().out
+        parse_args(module.Args, ["--help"])
+    out = re.sub(r"[\s│]+", " ", capsys.readouterr().out)  # the box's lines joined
     assert e.value.code == 0 and "--num-trainers" in out and "--seed" in out, script
     assert "seed of model init, data order and sampling" in out
+    ranges = flag_ranges(module.Args)  # every numeric flag has one (Annotated), and --help shows it
+    assert "num_trainers" in ranges and "learning_rate" in ranges
+    for name, rule in ranges.items():
+        default = getattr(module.Args, name)
+        assert f"(default: {default}; {rule})" in out, (script, name)
 
 
 def experiment_block(text):
