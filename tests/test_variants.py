@@ -5,6 +5,7 @@ aggregation with the unchanged trainer. A checklist whose steps stopped working 
 
 import difflib
 import importlib.util
+import math
 import re
 
 import pytest
@@ -127,3 +128,82 @@ def test_an_entropy_bonus_is_a_few_lines_and_its_gradient_raises_the_entropy(
         assert stats["loss"] == pytest.approx(-entropies[-1], rel=1e-5)  # the loss is -α H
     assert entropies[1] > entropies[0] + 1e-5, entropies  # near log V already: a small rise
     dist.destroy_process_group()
+
+
+def apply_variant(tmp_path, name: str, edits: list, tag: str, budget: int):
+    """A copy of grpo.py with `edits` applied (each text once in grpo.py), checked as a tagged diff
+    within `budget` changed lines, imported as a module."""
+    with open(f"{REPO}/grpo.py") as f:
+        text = f.read()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    changed, untagged, _ = tagged_diff("grpo.py", str(path), re.compile(rf"# {tag} \(([a-z-]+)\)"))
+    assert changed <= budget and not untagged, (changed, untagged)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RLOO = [  # docs/variants.md's RLOO: the baseline of sample i is the mean of the group's others
+    (
+        "    advantages = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)\n",
+        "    advantages = (r - r.mean(dim=1, keepdim=True)) * group_size / (group_size - 1)  # RLOO "
+        "(baseline): r_i - mean of the other G-1\n",
+    ),
+]
+
+
+def test_rloo_worked_example_is_one_line_and_leaves_one_out(tmp_path):
+    rloo = apply_variant(tmp_path, "grpo_rloo", RLOO, "RLOO", 2)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.0, 0.5])
+    want = [r - (sum(g) - r) / 3 for g in ([1.0, 0.0, 0.0, 1.0], [0.3, 0.9, 0.0, 0.5]) for r in g]
+    assert rloo.compute_advantages(rewards, 4).tolist() == pytest.approx(want, abs=1e-6)
+    assert rloo.compute_advantages(torch.ones(4), 4).tolist() == [0.0] * 4  # no signal, exactly
+
+
+CISPO = [  # docs/variants.md's CISPO: a clipped, stopped-gradient IS weight on every token's log π
+    (
+        "    unclipped = ratio * advantages\n"
+        "    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages\n"
+        "    return -torch.min(unclipped, clipped), clipped < unclipped\n",
+        "    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()  # CISPO (is-clip): sg\n"
+        "    return -weight * advantages * logprobs, weight != ratio  # CISPO (is-clip): no token "
+        "dropped\n",
+    ),
+    (
+        "    eps = (args.clip_eps, args.clip_eps)  # [1 - ε, 1 + ε]\n",
+        "    eps = (1.0, args.clip_eps)  # CISPO (is-clip): ε_low = 1, no lower bound on the weight\n",
+    ),
+]
+
+
+def test_cispo_worked_example_keeps_the_gradient_of_clipped_tokens(tmp_path):
+    """CISPO's loss -sg(clip(ρ, 0, 1 + ε)) Â log π against hand-computed gradients; where GRPO's clip
+    drops a token's gradient CISPO keeps it, and at ρ = 1 (one update per rollout) the two agree."""
+    import grpo
+
+    cispo = apply_variant(tmp_path, "grpo_cispo", CISPO, "CISPO", 7)
+    args = cispo.Args()  # ε = 0.2
+    old, adv = torch.zeros(3), torch.tensor([1.0, -1.0, 2.0])
+    values = {"old_logprobs": old, "engine_logprobs": old, "advantages": adv,
+              "loss_weights": torch.ones(3)}  # fmt: skip
+    grads = {}
+    for name, module in (("cispo", cispo), ("grpo", grpo)):
+        lp = torch.tensor([math.log(2.0), math.log(0.5), 0.0], requires_grad=True)  # ρ = 2, 0.5, 1
+        loss, stats = module.compute_loss(lp, values, args)
+        loss.backward()
+        grads[name] = lp.grad.tolist()
+    # CISPO: d/d log π of -w Â log π is -w Â, with w = clip(ρ, 0, 1.2) = 1.2, 0.5, 1
+    assert grads["cispo"] == pytest.approx([-1.2, 0.5, -2.0])
+    # GRPO: ρ = 2 with Â > 0 is clipped (no gradient); ρ = 0.5 with Â < 0 too; -ρ Â at ρ = 1
+    assert grads["grpo"] == pytest.approx([0.0, 0.0, -2.0])
+    same = {}
+    for name, module in (("cispo", cispo), ("grpo", grpo)):
+        lp = torch.zeros(3, requires_grad=True)  # π_θ = π_θold: the only update of a rollout
+        module.compute_loss(lp, values, args)[0].backward()
+        same[name] = lp.grad.tolist()
+    assert same["cispo"] == pytest.approx(same["grpo"])
