@@ -41,7 +41,7 @@ from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.placement import call
 from common.precision import choose_dtype
-from common.rewards import call_reward
+from common.rewards import composed_reward, reward_terms
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
@@ -81,9 +81,11 @@ class Args:
     """held-out prompts for greedy accuracy ("" to skip)"""
     eval_split: str = "test"
     """split to read when --eval-dataset is a hub id"""
-    reward_fn: str | None = None
-    """your own reward, `path/to/file.py:function`, called as
-    function(response: str, answer: str) -> float"""
+    reward_fn: tuple[str, ...] = ()
+    """reward terms added to the verifier's: `path/to/file.py:function[=weight]` each (weight 1),
+    called as function(response: str, answer: str) -> float; each logged as rollout/reward/<name>"""
+    verifier_weight: Annotated[float, ">= 0"] = 1.0
+    """the rule verifier's weight in the reward (0: --reward-fn alone; eval/accuracy stays its)"""
     reward_timeout: Annotated[float, "> 0"] = 30.0
     """seconds one reward call may take; a slower one stops the run, naming the function, the step,
     the row"""
@@ -288,16 +290,18 @@ def lr_at(step: int, args: Args) -> float:
 
 
 # ALGO LOGIC: what each step logs (docs/grpo.md lists every key).
-def rollout_metrics(rewards: torch.Tensor, responses: list[dict], group_size: int) -> dict:
+def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int) -> dict:
     """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
-    reward: the spread inside groups and the share of groups every sample solved, or none did (those
-    two carry no signal: Â = 0)."""
+    reward (and each term's): the spread inside groups and the share of groups every sample solved,
+    or none did, by the verifier (with the verifier alone those two carry no signal: Â = 0)."""
     grouped, lengths = rewards.view(-1, group_size), [len(s["token_ids"]) for s in responses]
+    solved = parts["verifier"].view(-1, group_size)
     return {
         "rollout/reward": rewards.mean().item(),
+        **{f"rollout/reward/{name}": values.mean().item() for name, values in parts.items()},
         "rollout/reward_std": grouped.std(dim=1).mean().item(),
-        "rollout/solved_all": (grouped.min(dim=1).values == 1).float().mean().item(),
-        "rollout/solved_none": (grouped.max(dim=1).values == 0).float().mean().item(),
+        "rollout/solved_all": (solved.min(dim=1).values == 1).float().mean().item(),
+        "rollout/solved_none": (solved.max(dim=1).values == 0).float().mean().item(),
         "rollout/response_length": sum(lengths) / len(lengths),
         "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses)
         / len(responses),
@@ -450,7 +454,7 @@ def main(args: Args):
     G = args.num_generations  # the group size
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
-    model_path, tokenizer, prompts, reward_function = prepare_inputs(args, use_gpu)
+    model_path, tokenizer, prompts, terms = prepare_inputs(args, use_gpu)
     trainers, engines = start_actors(args, use_gpu, model_path, resume_ckpt)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
@@ -464,8 +468,8 @@ def main(args: Args):
         ids = [p.ids for p in prompts["eval"]]
         outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
         where = f"eval at step {step}"
-        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, where, args)
-        return {"eval/accuracy": rewards.mean().item()}
+        _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, args)
+        return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's, whatever else
 
     console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
 
@@ -494,7 +498,7 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.prompts_per_step, args.seed)]
-        ids = [p.ids for p in batch]
+        ids, where = [p.ids for p in batch], f"step {step + 1}"
         outs = generate(engines, ids, n=G, temperature=args.temperature, draw=step, **sampling)
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
@@ -502,8 +506,7 @@ def main(args: Args):
 
         # ALGO LOGIC: rewards and advantages, per group; the values each trained token carries
         responses = [s for group in outs for s in group]  # (B*G,) prompt-major
-        where = f"step {step + 1}"
-        texts, rewards = score_responses(reward_function, batch, outs, tokenizer, where, args)
+        texts, rewards, parts = score_responses(terms, batch, outs, tokenizer, where, args)
         advantages = compute_advantages(rewards, G)  # (B*G,)
         kept = keep_groups(rewards, G).repeat_interleave(G)
         sequences = []
@@ -524,7 +527,7 @@ def main(args: Args):
         generated = sum(len(s["token_ids"]) for s in responses)
         trained = sum(len(p) + len(r) for p, r, _ in sequences) * args.num_epochs
         metrics = {
-            **rollout_metrics(rewards, responses, G),
+            **rollout_metrics(rewards, parts, responses, G),
             **train_metrics(results, args),
             **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
             "perf/sync_bytes": sync_bytes,
@@ -546,17 +549,16 @@ def main(args: Args):
 
 
 # TRY NOT TO MODIFY: the loop's plumbing.
-def score_responses(reward_function, batch: list, outs: list, tokenizer, where: str, args: Args):
-    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards),
-    prompt-major. A reward function that raises, hangs or returns a non-number stops the run, naming
-    the prompt row and sample.
-    """
+def score_responses(terms: dict, batch: list, outs: list, tokenizer, where: str, args: Args):
+    """Decode every response and score it against its prompt's answer with the reward's terms:
+    (texts, (B*n,) rewards, {term: (B*n,) values}), prompt-major. A reward function that raises,
+    hangs or returns a non-number stops the run, naming the prompt row and sample."""
     n = len(outs[0])
     texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
     pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
     labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
-    rewards = call_reward(reward_function, pairs, where, args.reward_timeout, labels)
-    return texts, torch.tensor(rewards)
+    rewards, parts = composed_reward(terms, pairs, where, args.reward_timeout, labels)
+    return texts, torch.tensor(rewards), {name: torch.tensor(v) for name, v in parts.items()}
 
 
 def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list[list[dict]]]:
@@ -627,13 +629,13 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
 
 
 def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
-    """Read and check the data, the reward function (two test calls) and the model; plan the GPUs'
-    memory; tokenize. Returns (model folder, tokenizer, {split: [Prompt]}, reward function)."""
-    reward_function = data.load_function(args.reward_fn) if args.reward_fn else reward_fn
+    """Read and check the data, the reward's terms (two test calls) and the model; plan the GPUs'
+    memory; tokenize. Returns (model folder, tokenizer, {split: [Prompt]}, the reward's terms)."""
+    terms = reward_terms(reward_fn, args.verifier_weight, args.reward_fn)  # {name: (fn, weight)}
     datasets = read_prompt_rows(args)
     answer = str(datasets["train"][0][0]["answer"])  # a broken reward function fails now, not later
     pairs = [("", answer), (answer, answer)]
-    call_reward(reward_function, pairs, "test calls before the run", args.reward_timeout)
+    composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
     lora.check_model(args, model_path)
@@ -645,7 +647,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     }
     train, source = len(prompts["train"]), datasets["train"][1]
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
-    return model_path, tokenizer, prompts, reward_function
+    return model_path, tokenizer, prompts, terms
 
 
 def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:

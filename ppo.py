@@ -47,7 +47,7 @@ from common.lm_head import token_logprobs
 from common.memory import to_device, to_host
 from common.placement import call, wait_all
 from common.precision import choose_dtype, compute_dtype
-from common.rewards import call_reward
+from common.rewards import composed_reward, reward_terms
 from common.ring_attn import shares_per_rank
 from common.tracking import Run
 from common.trainer import Critic, Trainer, load_model, load_policy
@@ -92,9 +92,11 @@ class Args:
     """held-out prompts for greedy accuracy with the rule verifier ("" to skip)"""
     eval_split: str = "test"
     """split to read when --eval-dataset is a hub id"""
-    reward_fn: str | None = None
-    """your own reward, `path/to/file.py:function`, called as
-    function(response: str, answer: str) -> float"""
+    reward_fn: tuple[str, ...] = ()
+    """reward terms added to the verifier's: `path/to/file.py:function[=weight]` each (weight 1),
+    called as function(response: str, answer: str) -> float; each logged as rollout/reward/<name>"""
+    verifier_weight: Annotated[float, ">= 0"] = 1.0
+    """the rule verifier's weight in the reward (0: --reward-fn alone; eval/accuracy stays its)"""
     reward_timeout: Annotated[float, "> 0"] = 30.0
     """seconds one reward call may take; a slower one stops the run, naming the function, the step,
     the row"""
@@ -392,13 +394,15 @@ def lr_at(step: int, args: Args, peak: float) -> float:
 
 
 # ALGO LOGIC: what each step logs (docs/ppo.md lists every key).
-def rollout_metrics(scores, responses: list[dict], values, returns, mask) -> dict:
-    """What was sampled and what the critic made of it: scores, lengths, truncations, and the mean
-    value and return per response token (the critic's guess against the GAE targets)."""
+def rollout_metrics(scores, parts: dict, responses: list[dict], values, returns, mask) -> dict:
+    """What was sampled and what the critic made of it: scores (and each reward term's), lengths,
+    truncations, and the mean value and return per response token (the critic's guess against the
+    GAE targets)."""
     tokens, lengths = mask.sum(), [len(s["token_ids"]) for s in responses]
     truncated = sum(s["finish_reason"] == "length" for s in responses)
     return {
         "rollout/reward": scores.mean().item(),
+        **{f"rollout/reward/{name}": term.mean().item() for name, term in parts.items()},
         "rollout/reward_std": scores.std().item(),
         "rollout/response_length": sum(lengths) / len(lengths),
         "rollout/truncated": truncated / len(responses),
@@ -654,7 +658,7 @@ def main(args: Args):
     n = args.samples_per_prompt
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
-    paths, tokenizer, prompts, reward_function, offload = prepare_inputs(args, use_gpu, resume_ckpt)
+    paths, tokenizer, prompts, terms, offload = prepare_inputs(args, use_gpu, resume_ckpt)
     trainers, critics, reward_model, engines = start_actors(args, use_gpu, paths, offload)
     kl_coef = args.kl_coef
     if args.resume:
@@ -674,8 +678,8 @@ def main(args: Args):
         ids = [p.ids for p in prompts["eval"]]
         outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
         where = f"eval at step {step}"
-        _, rewards = score_responses(reward_function, prompts["eval"], outs, tokenizer, where, args)
-        return {"eval/accuracy": rewards.mean().item()}
+        _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, args)
+        return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's, whatever else
 
     def save(step: int, name: str | None = None, with_optimizer: bool = True):
         """A checkpoint, whole or absent: the policy, and to resume, the critic and adaptive β."""
@@ -708,10 +712,10 @@ def main(args: Args):
         if reward_model is not None:
             asked = [batch[i // n].text for i in range(len(texts))]
             full = [reward_model_input(tokenizer, q, t) for q, t in zip(asked, texts)]
-            scores = torch.tensor(call([reward_model], "rewards", full)[0])  # (B,)
+            scores, parts = torch.tensor(call([reward_model], "rewards", full)[0]), {}  # (B,)
         else:
             where = f"step {step + 1}"
-            _, scores = score_responses(reward_function, batch, outs, tokenizer, where, args)
+            _, scores, parts = score_responses(terms, batch, outs, tokenizer, where, args)
         t_score = time.time()
 
         # ALGO LOGIC: π_θold, π_ref and V_old on every response token (no grad), then the per-token
@@ -755,7 +759,7 @@ def main(args: Args):
         trained = sum(len(batch[i // n].ids) + lengths[i] for i in range(len(responses)))
         trained *= args.num_epochs
         metrics |= {
-            **rollout_metrics(scores, responses, values, returns, mask),
+            **rollout_metrics(scores, parts, responses, values, returns, mask),
             **train_metrics(*results, args, values, returns, mask),
             **engine_metrics(responses, logprobs, mask),
             **time_metrics(times, sum(lengths), trained),
@@ -802,17 +806,16 @@ def call_groups(trainers: list, critics: list, fns: tuple, shares: tuple, *args,
     return out[: len(trainers)], out[len(trainers) :]
 
 
-def score_responses(reward_function, batch: list, outs: list, tokenizer, where: str, args: Args):
-    """Decode every response and score it against its prompt's answer: (texts, (B*n,) rewards),
-    prompt-major. A reward function that raises, hangs or returns a non-number stops the run, naming
-    the prompt row and sample.
-    """
+def score_responses(terms: dict, batch: list, outs: list, tokenizer, where: str, args: Args):
+    """Decode every response and score it against its prompt's answer with the reward's terms:
+    (texts, (B*n,) rewards, {term: (B*n,) values}), prompt-major. A reward function that raises,
+    hangs or returns a non-number stops the run, naming the prompt row and sample."""
     n = len(outs[0])
     texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
     pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
     labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
-    rewards = call_reward(reward_function, pairs, where, args.reward_timeout, labels)
-    return texts, torch.tensor(rewards)
+    rewards, parts = composed_reward(terms, pairs, where, args.reward_timeout, labels)
+    return texts, torch.tensor(rewards), {name: torch.tensor(v) for name, v in parts.items()}
 
 
 def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args: Args) -> tuple:
@@ -876,6 +879,9 @@ def validate_args(args: Args) -> None:
             "--colocate puts policy rank i, critic rank i and engine i on GPU i: use --engine-tp 1 "
             "and --num-engines = --num-critics = --num-trainers"
         )
+    if args.reward_model and (args.reward_fn or args.verifier_weight != 1):
+        raise InputError("--reward-fn and --verifier-weight make the rule reward; with "
+                         "--reward-model the reward model's score is the reward")  # fmt: skip
     longest = args.max_prompt_length + args.max_response_length
     if args.max_tokens_per_micro_batch is None:
         args.max_tokens_per_micro_batch = max(512, longest)
@@ -914,7 +920,7 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     """Read and check the data, the reward (the function's two test calls, or the reward model) and
     the models; plan the GPUs' memory; tokenize. Returns ({role: model folder}, tokenizer, {split:
     [Prompt]}, reward function, whether idle models wait in host RAM)."""
-    reward_function = data.load_function(args.reward_fn) if args.reward_fn else reward_fn
+    terms = reward_terms(reward_fn, args.verifier_weight, args.reward_fn)  # {name: (fn, weight)}
     datasets = read_prompt_rows(args)
     reward_model_path = None
     if args.reward_model is not None:
@@ -925,7 +931,7 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     else:  # a broken reward function fails now, not after a rollout
         answer = str(datasets["train"][0][0]["answer"])
         pairs = [("", answer), (answer, answer)]
-        call_reward(reward_function, pairs, "test calls before the run", args.reward_timeout)
+        composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
     critic_path = models.resolve_model(args.critic_model) if args.critic_model else model_path
@@ -945,7 +951,7 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
     paths["critic_start"] = critic_path
     paths["reward_model"] = reward_model_path
-    return paths, tokenizer, prompts, reward_function, offload
+    return paths, tokenizer, prompts, terms, offload
 
 
 def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:

@@ -11,10 +11,9 @@ from common.engines import Adapter, engine_args
 
 @ray.remote
 class AsyncEngine:
-    """Async methods, run concurrently by Ray: a weight update is served while `generate` calls are
-    in flight. It pauses the scheduler between two steps keeping running requests (`mode="keep"`:
-    decoding layers mid-reload would fail), then by default re-prefills them: later tokens are all
-    the new policy's. `keep_old_kv` (PipelineRL): no re-prefill; they see old-weight keys/values."""
+    """Async: Ray serves a weight update amid `generate` calls. It pauses the scheduler between two
+    steps keeping running requests (`mode="keep"`: decoding layers mid-reload would fail), then
+    re-prefills them for the new policy unless `keep_old_kv` (PipelineRL: old-weight KV stays)."""
 
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
                  keep_old_kv=False, lora=None, dtype="auto"):  # fmt: skip
@@ -108,8 +107,7 @@ class AsyncEngine:
         return self.adapter.request() if self.adapter and self.adapter.written else None
 
     def _interval(self, what: str, start: float):
-        end = time.time()
-        self.intervals.append((what, start, end))
+        self.intervals.append((what, start, end := time.time()))
         self.stats[f"{what}_s"] += end - start
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

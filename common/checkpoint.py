@@ -23,9 +23,8 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
     import torch.distributed.checkpoint.state_dict as sd
 
     opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # After a forward with no backward (an eval) FSDP2 keeps the root unsharded, its parameters not
-    # the optimizer's: shard it again (get_model_state_dict would, but LoRA's step_N skips it)
-    model.reshard()
+    # An eval (forward, no backward) leaves FSDP2's root unsharded, its params not the optimizer's
+    model.reshard()  # as get_model_state_dict would, but LoRA's step_N skips that
     adapters = lora.adapter_tensors(model) if lora.on(model) else None
     # LoRA: the adapters at every save, the merged model in the final one (staged as .final.partial)
     whole = adapters is None or os.path.basename(path) in ("final", ".final.partial")
@@ -179,8 +178,7 @@ def find_checkpoint(path: str) -> tuple[str, str, int]:
     """`--resume` (a run dir, its step_N or final) -> (run_dir, checkpoint, step). A run dir resumes
     from its newest checkpoint: one without optimizer state is never rewound to an older one."""
     path = os.path.abspath(path.rstrip("/"))
-    folder = os.path.join(path, "checkpoints")
-    if os.path.isdir(folder):
+    if os.path.isdir(folder := os.path.join(path, "checkpoints")):
         names = [name for name in os.listdir(folder) if not name.startswith(".")]  # not partial
         found = {n: s for n in names if (s := checkpoint_step(os.path.join(folder, n))) is not None}
         if not found:

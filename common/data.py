@@ -201,8 +201,7 @@ def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"]))
     rows, room = [], []  # the sequences of each row, and the tokens left in it
     for i in order:
-        n = len(sequences[i]["input_ids"])
-        if n > max_tokens:
+        if (n := len(sequences[i]["input_ids"])) > max_tokens:
             budget = f"the token budget of {max_tokens}"
             raise ValueError(f"a sequence of {n} tokens does not fit {budget}")
         j = next((j for j, r in enumerate(room) if r >= n), len(rows))

@@ -1,7 +1,6 @@
-"""How a run's processes end, whatever ends the driver (even SIGKILL), and how it joins a cluster
-without hanging. A watchdog waits for the driver's end, then ends the run's processes here: those
-seen below the driver (a private Ray's) and those marked POSTTRAIN_RUN (a cluster's workers with its
-actors, no other job's). end_ray() at exit waits for the same, then runs after_end()'s work."""
+"""How a run's processes end whatever ends the driver (even SIGKILL); a cluster join never hangs.
+After the driver a watchdog ends those here seen below it (a private Ray's) or marked POSTTRAIN_RUN
+(its actors, no other job's); end_ray() at exit awaits them, then after_end()'s work."""
 
 import contextlib
 import os
@@ -72,11 +71,8 @@ def _proc(file: str, keep) -> dict[str, bytes]:
     """{pid: /proc/<pid>/<file>} of the processes whose file `keep` accepts (Linux; else none)."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        try:
-            with open(f"/proc/{pid}/{file}", "rb") as f:
-                found.update([(pid, text)] if keep(text := f.read()) else [])
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/{file}", "rb") as f:
+            found.update([(pid, text)] if keep(text := f.read()) else [])
     return found
 
 

@@ -1,9 +1,6 @@
 """Ray placement: start Ray, reserve bundles, place actors on them, join trainers in a torch group.
-
-A placement group reserves all the devices a job needs up front (one bundle per trainer rank or
-engine), so a job either gets everything or waits, instead of deadlocking half-placed. On GPU a
-bundle is its GPUs + 1 CPU; on CPU one CPU, a scheduling token: Ray lets us declare more logical
-CPUs than there are cores. `Layout` says which actor sits on which bundle."""
+A job's placement group gets all its bundles (its GPUs + 1 CPU; on CPU one logical CPU, a scheduling
+token, not a core) or waits, never deadlocked half-placed. `Layout` says which actor sits where."""
 
 import atexit
 import math
@@ -41,10 +38,9 @@ def count_gpus() -> tuple[int, str]:
 
 
 def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart="") -> tuple:
-    """(use GPUs, colocate) for a job needing `split` GPUs with every actor on GPUs of its own, or
-    `colocated` GPUs when its actors share them (None: they cannot; `why_apart` says why), printed
-    in one line. Without --colocate the actors get GPUs of their own if there are enough, else share
-    them (one GPU: the usual machine); with it they always share. CPU: no sharing."""
+    """(use GPUs, colocate) for a job needing `split` GPUs, every actor on GPUs of its own, or
+    `colocated` if they share (None: they cannot; `why_apart` says why), printed in one line. They
+    share with --colocate, else if GPUs are too few (one GPU: the usual machine); on CPU never."""
     have, where = count_gpus()
     if have == 0:
         if colocate:
@@ -68,8 +64,7 @@ def init_ray(num_bundles: int = 0) -> None:
     $RAY_ADDRESS; say which, and name Ray processes alive here before this run (their memory)."""
     if ray.is_initialized():
         return
-    alive = [] if "RAY_ADDRESS" in os.environ else lifetime.other_ray_processes()
-    if alive:
+    if "RAY_ADDRESS" not in os.environ and (alive := lifetime.other_ray_processes()):
         named = ", ".join(alive[:4]) + (", ..." if len(alive) > 4 else "")
         print(f"note: {len(alive)} Ray processes not of this run are alive here ({named}): another "
               "run's or program's; `kill` them if you need their memory", flush=True)  # fmt: skip
@@ -113,10 +108,9 @@ class Slot:
 
 class Layout:
     """A job's bundles (trainer ranks, critic ranks, engines, reward model) and each actor's slot.
-    GPU with `colocate`: only the trainer ranks have bundles; engine i, critic rank i and the reward
-    model (on bundle 0) share trainer rank i's GPU, each asking Ray for an equal share (the models
-    take turns: vLLM sleeps while others train); only the trainer asks for the bundle's one CPU (a
-    second ask would wait forever). CPU: a one-CPU bundle per actor (vLLM cannot sleep on CPU)."""
+    GPU with `colocate`: only trainer ranks have bundles; engine i, critic rank i and the reward
+    model (bundle 0) take equal shares of rank i's GPU (turns: vLLM sleeps while others train), not
+    its CPU (a second ask would wait forever). CPU: a one-CPU bundle each (vLLM cannot sleep)."""
 
     def __init__(self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False,
                  critics=0, reward_model=False):  # fmt: skip
@@ -130,8 +124,7 @@ class Layout:
             return
         sizes_ok = engine_tp == 1 and engines == trainers and critics in (0, trainers)
         assert use_gpu and sizes_ok, "see validate_args"
-        self.bundles = [1] * trainers
-        shared = 1 + (engines > 0) + (critics > 0)
+        self.bundles, shared = [1] * trainers, 1 + (engines > 0) + (critics > 0)
         tenants = [shared + (reward_model and r == 0) for r in range(trainers)]
         share = [math.floor(1e4 / n) / 1e4 for n in tenants]  # Ray counts to 4 decimals
         self.trainers = [Slot(r, share[r]) for r in range(trainers)]
@@ -159,9 +152,8 @@ def make_placement_group(gpus_per_bundle: list[int], use_gpu: bool):
 
 @ray.remote(num_cpus=0)
 def _free_address() -> tuple[str, int]:
-    """A port that is free now and stays free until rank 0 listens on it (seconds later, after
-    loading a model). A port of the kernel's ephemeral range (what bind(0) returns) could meanwhile
-    go to any outgoing connection, e.g. Ray's; below it, only a deliberate listener can take it."""
+    """A port free until rank 0 listens on it (seconds later, after loading a model): below the
+    kernel's ephemeral range (bind(0)'s), which outgoing connections (Ray's) may take meanwhile."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
     for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
@@ -181,9 +173,8 @@ def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:
 
 
 def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
-    """Place one actor of `actor_cls` per slot (rank r in slots[r]) and wait until every one is up.
-    Each is constructed as actor_cls(*args, rank, world_size, master_addr, master_port) and is to
-    call `init_distributed` with those in its __init__; the address is on the node of rank 0."""
+    """One `actor_cls` per slot (rank r in slots[r]), all up, as actor_cls(*args, rank, world_size,
+    master_addr (rank 0's node), master_port); its __init__ calls `init_distributed` with them."""
     addr, port = rendezvous_address(pg, slots[0].bundle)
     actors = [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port)
               for r, s in enumerate(slots)]  # fmt: skip
@@ -192,8 +183,7 @@ def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
 
 
 def wait_started(actors: list) -> None:
-    """Wait until every actor's constructor has returned: one that crashes or hangs is named in the
-    error. An actor Ray cannot place (no bundle with what it asks for) ends here, as a timeout."""
+    """Wait for all actors' __init__: one that crashes or times out (hung, unplaceable) is named."""
     names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
     wait_all([a.__ray_ready__.remote() for a in actors], names, "start-up", START_TIMEOUT_S)
 
@@ -216,11 +206,10 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
 
 
 def call(actors: list, method: str, *args, per_rank=None, timeout=None, watch=()) -> list:
-    """Call `method` on every actor (`per_rank[i]` as the first argument if given), wait for all:
-    a method name, or a script's function run on trainer shells as method(trainer, ...) (common/
-    trainer.py). An actor dead or silent for `timeout` seconds becomes a one-line RunError naming
-    it, not a hang (the shutdown that follows cancels the rest). `watch`: actors working meanwhile
-    (engines generating), checked every WATCH_S s: one that dies ends the wait, named."""
+    """Call `method` on every actor (`per_rank[i]` first if given) and wait: a method name, or a
+    script's function run on trainer shells as method(trainer, ...) (common/trainer.py). An actor
+    dead or silent for `timeout` s is a one-line RunError naming it, not a hang (shutdown cancels
+    the rest); so is one of `watch` (busy meanwhile: engines) dying, checked every WATCH_S s."""
     name, fn = (method, ()) if isinstance(method, str) else ("run", (method,))
     refs = [getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args)
             for i, a in enumerate(actors)]  # fmt: skip
@@ -234,10 +223,8 @@ def wait_all(refs: list, names: list[str], what: str, timeout=None, watch=()) ->
     for i, actor in enumerate(watch):  # a ping each, answered at once or after its current call
         watched[actor.__ray_ready__.remote()] = (actor, f"{actor_name(actor)}#{i}")
     left, deadline = list(refs), time.monotonic() + timeout
-    # One at a time: a failure surfaces at once, even while its peers hang in a collective.
-    while left:
-        wait_s = max(0.0, deadline - time.monotonic())
-        wait_s = min(wait_s, WATCH_S) if watched else wait_s
+    while left:  # one at a time: a failure surfaces at once, even if peers hang in a collective
+        wait_s = min(max(0.0, deadline - time.monotonic()), WATCH_S if watched else math.inf)
         ready, left = ray.wait(left, num_returns=1, timeout=wait_s, fetch_local=False)
         pings = ray.wait(list(watched), num_returns=len(watched), timeout=0)[0] if watch else []
         for ping in pings:

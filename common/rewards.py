@@ -1,5 +1,6 @@
-"""The reward harness: a reward function per sampled response, guarded: a broken one (raise, hang,
-non-number) ends the run in one line naming it, step and row (in the driver or RewardWorker)."""
+"""The reward harness: named terms (the verifier, --reward-fn's), each a function per sampled
+response, summed with their weights; a broken one (raise, hang, non-number) ends the run in one line
+naming it, step and row (in the driver or RewardWorker)."""
 
 import math
 import numbers
@@ -9,7 +10,32 @@ import threading
 import ray
 from transformers import AutoTokenizer
 
-from common.errors import RunError
+from common.data import load_function
+from common.errors import InputError, RunError
+
+
+def reward_terms(verifier, weight: float, specs=()) -> dict:
+    """{name: (function, weight)}: the verifier, then each --reward-fn `file.py:function[=weight]`
+    (weight 1 when not given) under its function's name."""
+    terms = {"verifier": (verifier, weight)}
+    for spec in specs:
+        path, _, w = spec.rpartition("=") if "=" in spec.rpartition(":")[2] else (spec, "", "1")
+        try:
+            w = float(w)
+        except ValueError:
+            w = math.nan
+        if not math.isfinite(w):
+            raise InputError(f"--reward-fn {spec}: the weight after '=' must be a finite number")
+        if (name := path.rpartition(":")[2]) in terms:
+            raise InputError(f"--reward-fn {spec}: the reward already has a term named {name}")
+        terms[name] = (load_function(path), w)
+    return terms
+
+
+def composed_reward(terms: dict, pairs: list, where: str, timeout: float, labels=None) -> tuple:
+    """Every term on every (response, answer) pair: (Σ weight × value per pair, {name: values})."""
+    parts = {n: call_reward(fn, pairs, where, timeout, labels) for n, (fn, _) in terms.items()}
+    return [sum(w * parts[n][i] for n, (_, w) in terms.items()) for i in range(len(pairs))], parts
 
 
 def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, labels=None):
@@ -52,11 +78,11 @@ def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, la
 
 @ray.remote(num_cpus=0)
 class RewardWorker:
-    """call_reward on an actor's main thread (where math-verify's and the timeout's signals work)
-    for grpo_async.py: a failure's line returns as a RuntimeError (a RunError ends it silently)."""
+    """composed_reward on an actor's main thread (where math-verify's and the timeout's signals
+    work), for grpo_async.py: a failure's line returns as a RuntimeError (a RunError is silent)."""
 
-    def __init__(self, fn, tokenizer_path: str, timeout: float):
-        self.fn, self.timeout = fn, timeout
+    def __init__(self, terms: dict, tokenizer_path: str, timeout: float):
+        self.terms, self.timeout = terms, timeout
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     def score(self, outs: list, answer: str, where: str, labels: list[str]) -> tuple:
@@ -64,6 +90,6 @@ class RewardWorker:
         texts = [self.tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in outs[0]]
         pairs = [(t, answer) for t in texts]
         try:
-            return texts, call_reward(self.fn, pairs, where, self.timeout, labels)
+            return texts, *composed_reward(self.terms, pairs, where, self.timeout, labels)
         except RunError as e:
             raise RuntimeError(str(e.code).removeprefix("error: ")) from None

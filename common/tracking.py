@@ -1,8 +1,7 @@
 """Console lines, optional wandb and the run directory, runs/<exp_name>__<seed>__<unix time>/:
-config.json      args, package versions, git sha
-metrics.jsonl    one row per step: {"step": N, "train/loss": ..., ...}
-samples.jsonl    prompts, responses, rewards (RL) or eval generations
-checkpoints/     step_N/ and final/: HF format, + trainer_state.pt in step_N (checkpoint.py)"""
+config.json (args, package versions, git sha), metrics.jsonl (a row per step: {"step": N,
+"train/loss": ..., ...}), samples.jsonl (prompts, responses, rewards (RL) or eval generations),
+checkpoints/ (step_N/ and final/: HF format, + trainer_state.pt in step_N; checkpoint.py)."""
 
 import contextlib
 import dataclasses
@@ -101,8 +100,7 @@ class Run:
 
 def lock_run_dir(run_dir: str) -> None:
     """One writer per run dir: a flock on <run dir>/.lock, dropped at any exit (a crash too)."""
-    run_dir = os.path.abspath(run_dir)
-    if run_dir in _LOCKS:
+    if (run_dir := os.path.abspath(run_dir)) in _LOCKS:
         return
     fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -140,11 +138,9 @@ def check_tracking(track: bool) -> None:
     offline = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun")
     if os.environ.get("WANDB_API_KEY") or offline:
         return
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
+    host, login = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname, None
+    with contextlib.suppress(OSError, netrc.NetrcParseError):
         login = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
-    except (OSError, netrc.NetrcParseError):
-        login = None
     if not login:
         fix = "run `wandb login`, set WANDB_API_KEY or WANDB_MODE=offline"
         raise InputError(f"--track: no Weights & Biases login; {fix}")

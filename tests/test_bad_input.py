@@ -148,6 +148,8 @@ CASES = [  # (scripts, flags, what the line names)
     ),
     (["dpo"], ["--label-smoothing", "0.5"], "--label-smoothing must be >= 0, < 0.5"),
     (["rm"], ["--margin", "-0.5"], "--margin must be >= 0"),
+    (RL, ["--verifier-weight", "-1"], "--verifier-weight must be >= 0"),
+    (["ppo"], ["--reward-model", "rm", "--verifier-weight", "0"], "with --reward-model the reward"),
 ]
 
 
@@ -589,6 +591,21 @@ def test_bad_reward_functions_are_caught_by_the_test_call(run, tmp_path, name, b
     path.write_text(f"def my_reward(response, answer):\n    {body}\n")
     message = run(name, "--reward-fn", f"{path}:my_reward", "--reward-timeout", "1")
     assert "reward function my_reward" in message and expected in message
+
+
+@pytest.mark.parametrize("name", RL)
+@pytest.mark.parametrize(
+    "terms,expected",
+    [(["my_reward=abc"], "the weight after '=' must be a finite number"),
+     (["my_reward=inf"], "the weight after '=' must be a finite number"),
+     (["my_reward", "my_reward=2"], "the reward already has a term named my_reward"),
+     (["verifier"], "the reward already has a term named verifier")],
+)  # fmt: skip
+def test_reward_terms_that_cannot_compose(run, tmp_path, name, terms, expected):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def my_reward(response, answer):\n    return 1.0\nverifier = my_reward\n")
+    message = run(name, "--reward-fn", *[f"{path}:{term}" for term in terms])
+    assert message.startswith(f"error: --reward-fn {path}:") and expected in message, message
 
 
 # ---- the peer-derived wrong numbers ----

@@ -35,6 +35,32 @@ def test_group_advantages_by_hand():
     assert grpo.keep_groups(rewards, 4).tolist() == [True, True]
 
 
+def test_reward_terms_compose_and_log_apart_with_the_verifiers_accuracy(tmp_path):
+    """--reward-fn adds named terms to the verifier (weights by hand); each is logged as
+    rollout/reward/<name>; rollout/solved_* (and eval/accuracy) stay the verifier's, also at
+    --verifier-weight 0, where the terms alone are the reward."""
+    from common.rewards import composed_reward, reward_terms
+
+    path = tmp_path / "terms.py"
+    path.write_text("def short(response, answer):\n    return float(len(response) < 9)\n"
+                    "def polite(response, answer):\n    return float('please' in response)\n")  # fmt: skip
+    terms = reward_terms(grpo.reward_fn, 1.0, [f"{path}:short", f"{path}:polite=0.5"])
+    assert list(terms) == ["verifier", "short", "polite"] and terms["polite"][1] == 0.5
+    pairs = [("3 + 4 = 7", "7"), ("7 please", "7"), ("it is eight, please", "7"), ("6", "7")]
+    totals, parts = composed_reward(terms, pairs, "a test", 5.0)
+    assert parts == {"verifier": [1, 1, 0, 0], "short": [0, 1, 0, 1], "polite": [0, 1, 1, 0]}
+    assert totals == [1.0, 2.5, 0.5, 1.0]  # 1 x verifier + 1 x short + 0.5 x polite
+    alone = reward_terms(grpo.reward_fn, 0.0, [f"{path}:short"])
+    totals, parts = composed_reward(alone, pairs, "a test", 5.0)
+    assert totals == [0.0, 1.0, 0.0, 1.0] and parts["verifier"] == [1, 1, 0, 0]
+    responses = [{"token_ids": [1, 2], "finish_reason": "stop"}] * 4
+    tensors = {name: torch.tensor(v) for name, v in parts.items()}
+    metrics = grpo.rollout_metrics(torch.tensor(totals), tensors, responses, group_size=2)
+    assert metrics["rollout/reward"] == 0.5 and metrics["rollout/reward/short"] == 0.5
+    assert metrics["rollout/reward/verifier"] == 0.5  # its accuracy, weight 0 or not
+    assert metrics["rollout/solved_all"] == 0.5 and metrics["rollout/solved_none"] == 0.5
+
+
 def test_loss_aggregation_by_hand():
     w = grpo.loss_weights([2, 4], grpo.Args())  # mean over tokens, then over the 2 responses
     assert w == [[0.25, 0.25], [0.125] * 4]

@@ -23,6 +23,7 @@ from common.async_engine import AsyncEngine
 from common.data import encode_prompt, pack
 from common.engines import spawn_engines
 from common.placement import Layout, call, make_placement_group, rendezvous_address, spawn_trainers
+from common.rewards import reward_terms
 from common.weight_sync import EngineClient
 
 
@@ -164,12 +165,13 @@ def run_stand_in_steps(engines, builtin_dir, max_lag: int, steps: int, train_s: 
     args = grpo_async.Args(prompts_per_step=4, num_generations=2, max_lag=max_lag, seed=3,
                            num_steps=steps)  # fmt: skip
     train = [grpo_async.Prompt([i], "1", "q", i + 1) for i in range(50)]
-    rollouts = grpo_async.Rollouts(engines, train, 0, args, (grpo_async.reward_fn, builtin_dir))
+    terms = reward_terms(grpo_async.reward_fn, 1.0)  # the verifier alone
+    rollouts = grpo_async.Rollouts(engines, train, 0, args, (terms, builtin_dir))
     long_share, lags, waits = [], [], []
     for step in range(steps):
         assert len(rollouts.queue) <= (max_lag + 1) * args.prompts_per_step  # the bounded buffer
         started = time.monotonic()
-        batch, outs, texts, rewards = rollouts.take(step)
+        batch, outs, texts, rewards, _ = rollouts.take(step)
         waits.append(time.monotonic() - started)
         assert len(batch) == len(outs) == 4 and len(texts) == len(rewards) == 8
         long_share.append(sum(len(group[0]["token_ids"]) == 40 for group in outs) / 4)
@@ -203,7 +205,7 @@ def test_rollouts_train_what_was_sampled_within_the_lag_bound(builtin_dir):
         ray.get([e.hold.remote() for e in engines])  # from now on a group never ends by itself
         held = grpo_async.Rollouts(engines, [grpo_async.Prompt([1], "1", "q", 1)] * 8, 0,
                                    grpo_async.Args(prompts_per_step=4, max_lag=1, num_steps=20),
-                                   (grpo_async.reward_fn, builtin_dir))  # fmt: skip
+                                   (reward_terms(grpo_async.reward_fn, 1.0), builtin_dir))  # fmt: skip
         time.sleep(1.0)  # the engines start them (a call cancelled before it starts never arrives)
         held.close()
         time.sleep(0.5)
@@ -211,7 +213,8 @@ def test_rollouts_train_what_was_sampled_within_the_lag_bound(builtin_dir):
         assert cancelled >= 4  # the groups the engines had started, aborted there
         last = grpo_async.Rollouts(
             engines, [grpo_async.Prompt([1], "1", "q", 1)] * 8, 5,
-            grpo_async.Args(prompts_per_step=4, max_lag=3, num_steps=6), (grpo_async.reward_fn, builtin_dir),
+            grpo_async.Args(prompts_per_step=4, max_lag=3, num_steps=6),
+            (reward_terms(grpo_async.reward_fn, 1.0), builtin_dir),
         )  # fmt: skip
         assert last.sent - 5 * 4 == 4  # nothing is sampled for steps after the last
         last.close()
@@ -243,7 +246,7 @@ def test_rewards_are_scored_while_the_trainers_train(builtin_dir, tmp_path):
     try:
         args = grpo_async.Args(prompts_per_step=2, num_generations=2, max_lag=1, num_steps=3)
         train = [grpo_async.Prompt([i], "1", "q", i + 1) for i in range(1, 50, 4)]  # all short
-        slow = (load_function(f"{tmp_path / 'slow.py'}:r"), builtin_dir)
+        slow = ({"verifier": (load_function(f"{tmp_path / 'slow.py'}:r"), 1.0)}, builtin_dir)
         rollouts = grpo_async.Rollouts(engines, train, 0, args, slow)
         waits = []
         for step in range(3):

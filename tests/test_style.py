@@ -17,14 +17,14 @@ SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_as
 # common/trainer.py (model load, FSDP2/LoRA, optimizer step, weight sync, save/load; the update stays
 # in each script) took each script down by 65-125 lines; STYLE.md's targets (420 / 600 / 850) need
 # the shared flag groups and the loop's plumbing to follow.
-BUDGET = {  # + the entropy hook (policy_values, train/entropy) in the RL scripts
+BUDGET = {  # + the entropy hook; + composed rewards (--verifier-weight, rollout/reward/<term>)
     "sft.py": 480,
     "rm.py": 485,
     "dpo.py": 575,
     "grpo.py": 730,
-    "ppo.py": 1045,  # the policy's and the critic's update, the reward model actor
-    "dapo.py": 770,
-    "grpo_async.py": 805,
+    "ppo.py": 1050,  # the policy's and the critic's update, the reward model actor
+    "dapo.py": 775,  # its rounds carry each group's reward terms
+    "grpo_async.py": 810,  # its reward workers return the terms
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others

@@ -152,7 +152,7 @@ RLOO = [  # docs/variants.md's RLOO: the baseline of sample i is the mean of the
     (
         "    advantages = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)\n",
         "    advantages = (r - r.mean(dim=1, keepdim=True)) * group_size / (group_size - 1)  # RLOO "
-        "(baseline): r_i - mean of the other G-1\n",
+        "(baseline)\n",
     ),
 ]
 
