@@ -143,7 +143,7 @@ def keep_run_settings(args, given: set[str], script: str) -> None:
 
     norm = lambda v: set(map(str.strip, v.split(","))) if isinstance(v, str) else v  # noqa: E731
     was = lambda n: shown(n, saved[n]) if isinstance(saved[n], bool) else saved[n]  # noqa: E731
-    now = {n: getattr(args, n) for n in sorted(given & fields & set(saved))}
+    now = {n: json.loads(json.dumps(getattr(args, n))) for n in sorted(given & fields & set(saved))}
     changed = [f"{shown(n, v)} (was {was(n)})" for n, v in now.items() if norm(v) != norm(saved[n])]
     if kept:
         print("resume: keeps the run's own " + ", ".join(shown(n, saved[n]) for n in kept))

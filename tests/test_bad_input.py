@@ -494,6 +494,22 @@ def test_resume_keeps_the_runs_own_flags_and_says_what_it_changes(
     assert "saves no model" not in out  # it saves: every step
 
 
+@pytest.mark.parametrize("name", RL)
+def test_resume_compares_reward_terms_as_the_run_saved_them(tmp_path, tiny_model, capsys, name):
+    """--reward-fn's terms (a tuple here, a list in config.json): the same terms given again are no
+    change; other terms are listed as one."""
+    module = importlib.import_module(name)
+    run_dir = fake_run(tmp_path, f"{name}.py", tiny_model)
+    config = {"args": {"model": tiny_model, "reward_fn": ["t.py:f"]}, "script": f"{name}.py",
+              "argv": [f"{name}.py", "--reward-fn", "t.py:f"]}  # fmt: skip
+    (tmp_path / "old_run" / "config.json").write_text(json.dumps(config))
+    parse_args(module.Args, ["--resume", run_dir, "--reward-fn", "t.py:f"])
+    assert "resume: changes" not in capsys.readouterr().out
+    parse_args(module.Args, ["--resume", run_dir, "--reward-fn", "t.py:f", "t.py:g=2"])
+    out = capsys.readouterr().out
+    assert "resume: changes --reward-fn ['t.py:f', 't.py:g=2'] (was ['t.py:f'])" in out
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_run_that_saves_no_model_says_so(capsys, name):
     module = importlib.import_module(name)
