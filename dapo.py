@@ -222,13 +222,13 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6
 
 
 def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Which groups to train on, (B,) bool. DAPO keeps those whose verifier scores differ."""
+    """Which groups to train on, (B,) bool. DAPO keeps those whose scores (no penalty) differ."""
     return (rewards.view(-1, group_size).diff(dim=1) != 0).any(dim=1)  # DAPO (dynamic-sampling)
 
 
 def sample_groups(draw, num_groups: int, group_size: int, max_rounds: int):
-    """DAPO §3.2: draw(k) -> (groups, rewards, verifier scores) for k = 0, 1, ... until num_groups
-    pass keep_groups (on accuracy, not the length penalty) or k = max_rounds; all drawn + kept."""
+    """DAPO §3.2: draw(k) -> (groups, rewards, scores) for k = 0, 1, ... until num_groups pass
+    keep_groups (on the scores, not the length penalty) or k = max_rounds; all drawn + kept."""
     groups, rewards, kept = [], [], []
     for k in range(max_rounds):
         new_groups, new_rewards, new_scores = draw(k)
@@ -485,7 +485,7 @@ def main(args: Args):
         outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
         where = f"eval at step {step}"
         _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, args)
-        return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's, whatever else
+        return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's alone
 
     console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
 

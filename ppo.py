@@ -679,7 +679,7 @@ def main(args: Args):
         outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
         where = f"eval at step {step}"
         _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, args)
-        return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's, whatever else
+        return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's alone
 
     def save(step: int, name: str | None = None, with_optimizer: bool = True):
         """A checkpoint, whole or absent: the policy, and to resume, the critic and adaptive β."""
