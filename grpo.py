@@ -259,7 +259,7 @@ def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
 
 
 def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
-    """The loss on one micro-batch's response tokens, and its per-token stats to sum:
+    """The loss on one micro-batch's response tokens, and per-token stats to sum (train/<name>):
         L = Σ_t w_t [ min(π_θold / π_vllm, C) · clipped surrogate_t  +  β KL_k3,t ]
     logprobs (N,) are π_θ's; `values` holds the micro-batch's other per-token values, (N,) each:
     those the loop gave make_sequence (advantages, engine_logprobs), the aggregation's loss_weights
@@ -272,11 +272,13 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torc
     eps = (args.clip_eps, args.clip_eps)  # [1 - ε, 1 + ε]
     pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], *eps)
     token_loss = tis * pg_loss
-    stats = {"clipped_tokens": clipped.sum(), "tis_sum": tis.sum()}
+    # clipfrac: the clip cut the gradient (ρ left [1-ε, 1+ε] the way Â pushes it); tis_weight: 1
+    # when the trainer and vLLM agree on every token
+    stats = {"clipfrac": clipped.sum(), "tis_weight": tis.sum()}
     if "ref_logprobs" in values:
         kl = compute_kl(logprobs, values["ref_logprobs"])
         token_loss = token_loss + args.kl_coef * kl
-        stats["kl_sum"] = kl.sum()
+        stats["kl"] = kl.sum()
     return (token_loss * values["loss_weights"]).sum(), stats
 
 
@@ -309,19 +311,18 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
 
 
 def train_metrics(results: list[dict], args: Args) -> dict:
-    """From the trainer ranks' sums (each rank its share of tokens; grad norm and lr are global)."""
-    total = defaultdict(float)
+    """From the trainer ranks' sums (each rank its share of tokens; grad norm and lr are global).
+    Every per-token stat of the update (compute_loss's, train/entropy) is logged as its mean."""
+    total, sums = defaultdict(float), defaultdict(float)
     for rank in results:
-        keys = ("loss", "tokens", "clipped_tokens", "tis_sum", "logprob_diff_sum", "kl_sum")
-        for key in (*keys, "entropy_sum"):
-            total[key] += rank.get(key, 0.0)
+        for key in ("loss", "tokens", "logprob_diff_sum"):
+            total[key] += rank[key]
+        for key, value in rank["token_sums"].items():
+            sums[key] += value
     updates = args.num_minibatches * args.num_epochs  # each update's loss is a mean: average them
-    metrics = {
+    return {
         "train/loss": total["loss"] / updates,
-        # tokens whose ratio left [1-ε, 1+ε] the way Â pushes it (the clip cut their gradient)
-        "train/clipfrac": total["clipped_tokens"] / total["tokens"],
-        # mean TIS weight min(π_θold / π_vllm, C): 1 when the trainer and vLLM agree on every token
-        "train/tis_weight": total["tis_sum"] / total["tokens"],
+        **{f"train/{key}": value / total["tokens"] for key, value in sums.items()},
         "train/grad_norm": results[0]["grad_norms"] / updates,
         "train/lr": results[0]["lr"],
         # |log π_θold - log π_vllm| before any update (the first epoch): float noise when the
@@ -329,11 +330,6 @@ def train_metrics(results: list[dict], args: Args) -> dict:
         "train/logprob_diff_mean": total["logprob_diff_sum"] / (total["tokens"] / args.num_epochs),
         "train/logprob_diff_max": max(rank.get("logprob_diff_max", 0.0) for rank in results),
     }
-    if any("entropy_sum" in rank for rank in results):  # falling fast: entropy collapse
-        metrics["train/entropy"] = total["entropy_sum"] / total["tokens"]
-    if any("kl_sum" in rank for rank in results):
-        metrics["train/kl"] = total["kl_sum"] / total["tokens"]
-    return metrics
 
 
 def time_metrics(times: tuple, generated_tokens: int, trained_tokens: int) -> dict:
@@ -396,7 +392,8 @@ def make_sequence(prompt: list[int], response: list[int], **per_response) -> dic
 def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
     """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums to the
     driver."""
-    args, model, stats = trainer.args, trainer.model, defaultdict(float)
+    args, model = trainer.args, trainer.model
+    stats, sums = defaultdict(float), defaultdict(float)  # sums: per-token stats, train/<name>
     sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr_at(step, args)
@@ -434,10 +431,10 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 trainer.loss_scale.backward(loss * trainer.world_size)
                 stats["loss"] += loss.item()
                 stats["tokens"] += len(logprobs) * real
+                if "entropy" in values:  # falling fast: entropy collapse
+                    token_stats["entropy"] = values["entropy"].sum()
                 for key, value in token_stats.items():
-                    stats[key] += value.item() * real
-                if "entropy" in values:
-                    stats["entropy_sum"] += values["entropy"].sum().item() * real
+                    sums[key] += value.item() * real
                 # trainer vs engine, before any update: do they hold the same weights?
                 if epoch == 0 and real and len(logprobs) and "engine_logprobs" in values:
                     diff = (values["old_logprobs"] - values["engine_logprobs"]).abs()
@@ -445,7 +442,7 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                     stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
             stats["grad_norms"] += trainer.optimizer_step(step)
     stats["lr"] = trainer.optimizer.param_groups[0]["lr"]
-    return dict(stats)
+    return {**stats, "token_sums": dict(sums)}
 
 
 def main(args: Args):
@@ -471,14 +468,16 @@ def main(args: Args):
         _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, args)
         return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's alone
 
-    console = ("rollout/reward", "train/loss", "train/clipfrac", "eval/accuracy", "time/step")
+    # the console line: the reward, the loss and every per-token stat of the update, eval, time
+    quiet = ("train/grad_norm", "train/lr", "train/logprob_diff_mean", "train/logprob_diff_max")
 
     def end_step(done: int, metrics: dict, batch: list, texts: list[str], rewards: torch.Tensor):
         """Evaluate (every --eval-every steps and after the last), log the metrics and the first two
         groups as samples, and save a resumable checkpoint every --save-every steps."""
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
-        run.log(done, metrics, console)
+        update = [k for k in metrics if k.startswith("train/") and k not in quiet]
+        run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
         rows = [
             {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
              "reward": rewards[i].item()}
@@ -492,7 +491,7 @@ def main(args: Args):
     # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     first = evaluate(0) if resume_step == 0 else {}
     if first:
-        run.log(0, first, console)
+        run.log(0, first, ("eval/accuracy",))
     run.start_progress(args.num_steps, resume_step)
     train = prompts["train"]
     for step in range(resume_step, args.num_steps):

@@ -354,7 +354,7 @@ def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
 
 
 def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
-    """The policy's loss on one micro-batch's response tokens, and its per-token stats to sum:
+    """The policy's loss on one micro-batch's response tokens, and per-token stats (train/<name>):
         L = Σ_t w_t · clipped surrogate_t    (w_t: the minibatch's token mean; no TIS: docs/ppo.md)
     logprobs (N,) are π_θ's; `values` holds the micro-batch's other per-token values, (N,) each:
     old_logprobs (π_θold), advantages (whitened GAE) and loss_weights w_t. approx_kl: the k3
@@ -364,7 +364,8 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torc
     pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], args.clip_eps)
     log_ratio = (logprobs - old).detach()
     approx_kl = torch.expm1(log_ratio) - log_ratio
-    stats = {"clipped_tokens": clipped.sum(), "approx_kl_sum": approx_kl.sum()}
+    # approx_kl: how far the updates moved the policy from π_θold (large: the clip does the work)
+    stats = {"clipfrac": clipped.sum(), "approx_kl": approx_kl.sum()}
     return (pg_loss * values["loss_weights"]).sum(), stats
 
 
@@ -373,7 +374,7 @@ def compute_critic_loss(predicted: torch.Tensor, values: dict, args: Args):
     its predictions V_φ (N,) and the micro-batch's old_values, returns, loss_weights, (N,) each."""
     old, returns = values["old_values"], values["returns"]
     v_loss, clipped = compute_value_loss(predicted, old, returns, args.value_clip_eps)
-    return (v_loss * values["loss_weights"]).sum(), {"value_clipped_tokens": clipped.sum()}
+    return (v_loss * values["loss_weights"]).sum(), {"value_clipfrac": clipped.sum()}
 
 
 def update_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, num_responses: int):
@@ -412,23 +413,19 @@ def rollout_metrics(scores, parts: dict, responses: list[dict], values, returns,
 
 
 def train_metrics(policy: list[dict], critic: list[dict], args: Args, values, returns, mask):
-    """From both groups' sums (each rank its share of tokens; grad norms and lr are global)."""
-    total = defaultdict(float)
-    for rank in policy:
-        for key in ("policy_loss", "tokens", "clipped_tokens", "approx_kl_sum", "entropy_sum"):
+    """From both groups' sums (each rank its share of tokens; grad norms and lr are global). Every
+    per-token stat of the two updates (their losses', train/entropy) is logged as its mean."""
+    total, sums = defaultdict(float), defaultdict(float)
+    for rank in [*policy, *critic]:
+        for key in ("policy_loss", "value_loss", "tokens"):
             total[key] += rank.get(key, 0.0)
-    for rank in critic:
-        for key in ("value_loss", "value_clipped_tokens"):
-            total[key] += rank.get(key, 0.0)
+        for key, value in rank["token_sums"].items():
+            sums[key] += value
     updates, tokens = args.num_minibatches * args.num_epochs, total["tokens"]
-    entropy = {"train/entropy": total["entropy_sum"] / tokens} if "entropy_sum" in policy[0] else {}
-    return entropy | {
+    return {
         "train/policy_loss": total["policy_loss"] / updates,
         "train/value_loss": total["value_loss"] / updates,
-        "train/clipfrac": total["clipped_tokens"] / tokens,
-        "train/value_clipfrac": total["value_clipped_tokens"] / tokens,
-        # how far the updates moved the policy from π_θold: large means the clip is doing the work
-        "train/approx_kl": total["approx_kl_sum"] / tokens,
+        **{f"train/{key}": value / tokens for key, value in sums.items()},
         # 1 - Var(R - V) / Var(R): 1 a perfect critic, 0 a constant one, < 0 worse than a constant
         "train/explained_variance": explained_variance(values, returns, mask),
         "train/grad_norm": policy[0]["grad_norm_sum"] / updates,
@@ -544,7 +541,8 @@ def policy_forward(trainer, minibatches: list[list[dict]]) -> list[dict]:
 
 def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
     """num_epochs passes, an optimizer step per minibatch of micro-batches. Returns sums."""
-    args, model, stats = trainer.args, trainer.model, defaultdict(float)
+    args, model = trainer.args, trainer.model
+    stats, sums = defaultdict(float), defaultdict(float)  # sums: per-token stats, train/<name>
     sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr_at(step, args, args.learning_rate)
@@ -569,13 +567,13 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 trainer.loss_scale.backward(loss * trainer.world_size)
                 stats["policy_loss"] += loss.item()
                 stats["tokens"] += len(logprobs) * real
+                if "entropy" in values:  # falling fast: entropy collapse
+                    token_stats["entropy"] = values["entropy"].sum()
                 for key, value in token_stats.items():
-                    stats[key] += value.item() * real
-                if "entropy" in values:
-                    stats["entropy_sum"] += values["entropy"].sum().item() * real
+                    sums[key] += value.item() * real
             stats["grad_norm_sum"] += trainer.optimizer_step(step)
     stats["lr"] = trainer.optimizer.param_groups[0]["lr"]
-    return dict(stats)
+    return {**stats, "token_sums": dict(sums)}
 
 
 @torch.no_grad()
@@ -596,7 +594,7 @@ def critic_forward(critic, minibatches: list[list[dict]]) -> list[dict]:
 
 def critic_train_step(critic, minibatches: list[list[dict]], step: int) -> dict:
     """Regress V_φ on the GAE returns: the policy's minibatches and epochs. Returns sums."""
-    args, model, stats = critic.args, critic.model, defaultdict(float)
+    args, model, stats, sums = critic.args, critic.model, defaultdict(float), defaultdict(float)
     critic.on_gpu(True)
     for group in critic.optimizer.param_groups:
         group["lr"] = lr_at(step, args, args.critic_learning_rate)
@@ -613,10 +611,10 @@ def critic_train_step(critic, minibatches: list[list[dict]], step: int) -> dict:
                 critic.loss_scale.backward(loss * critic.world_size)
                 stats["value_loss"] += loss.item()
                 for key, value in token_stats.items():
-                    stats[key] += value.item() * mb["loss_scale"].item()
+                    sums[key] += value.item() * mb["loss_scale"].item()
             stats["grad_norm_sum"] += critic.optimizer_step(step)
     critic.on_gpu(False)
-    return dict(stats)
+    return {**stats, "token_sums": dict(sums)}
 
 
 # TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's head at the last real token).
@@ -690,11 +688,12 @@ def main(args: Args):
                 checkpoint.write_json(os.path.join(folder, "ppo_state.json"), {"kl_coef": kl_coef})
 
     # ---- training loop: generate -> score -> π_θold, π_ref, V_old -> rewards, GAE -> train ----
-    console = ("rollout/reward", "train/policy_loss", "train/value_loss", "train/kl")
-    console += ("eval/accuracy", "time/step")
+    # the console line: the reward, the losses and every per-token stat of the updates, eval, time
+    quiet = ("train/kl_coef", "train/explained_variance", "train/grad_norm", "train/lr")
+    quiet += ("train/critic_grad_norm", "train/logprob_diff_mean", "train/logprob_diff_max")
     first = evaluate(0) if resume_step == 0 else {}
     if first:
-        run.log(0, first, console)
+        run.log(0, first, ("eval/accuracy",))
     run.start_progress(args.num_steps, resume_step)
     train = prompts["train"]
     for step in range(resume_step, args.num_steps):
@@ -769,7 +768,8 @@ def main(args: Args):
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
-        run.log(done, metrics, console)
+        update = [k for k in metrics if k.startswith("train/") and k not in quiet]
+        run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
         rows = [
             {"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer,
              "reward": scores[i].item()}

@@ -11,9 +11,8 @@ from common.engines import Adapter, engine_args
 
 @ray.remote
 class AsyncEngine:
-    """Async: Ray serves a weight update amid `generate` calls. It pauses the scheduler between two
-    steps keeping running requests (`mode="keep"`: decoding layers mid-reload would fail), then
-    re-prefills them for the new policy unless `keep_old_kv` (PipelineRL: old-weight KV stays)."""
+    """Weight updates pause the scheduler between steps, keeping running requests (`mode="keep"`:
+    decoding layers mid-reload would fail), re-prefilled for the new policy unless `keep_old_kv`."""
 
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
                  keep_old_kv=False, lora=None, dtype="auto"):  # fmt: skip

@@ -50,7 +50,6 @@ class TorchBlocks:
 
 @functools.cache
 def _flash_interface():
-    """flash-attn 2's interface module if flash-attn >= 2.7 is importable, else None."""
     try:
         import flash_attn
         from flash_attn import flash_attn_interface

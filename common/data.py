@@ -223,10 +223,11 @@ def check_batch(batch: int, available: int, flag: str, source: str, what: str) -
 
 
 def response_values(mb: dict, *names: str) -> dict:
-    """{name: (N,)} at response tokens (loss_mask 1): `names`, else all (1, T) but STRUCTURE."""
-    m = mb["loss_mask"][0].bool()
-    keys = names or [k for k, v in mb.items() if k not in STRUCTURE and v.dim() == 2]
-    return {k: mb[k][0, m] for k in keys}
+    """{name: (N,)} at response tokens (loss_mask 1): `names`, else all (1, T) but STRUCTURE, and
+    "responses" (Trainer.local_part's: which response each token is)."""
+    m, rows = mb["loss_mask"][0].bool(), [k for k, v in mb.items() if getattr(v, "ndim", 0) == 2]
+    out = {k: mb[k][0, m] for k in names or [k for k in rows if k not in STRUCTURE]}
+    return out if names or "responses" not in mb else {**out, "responses": mb["responses"]}
 
 
 def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> list[list[dict]]:

@@ -1,5 +1,4 @@
 """vLLM generation engines as Ray actors: create, generate, sleep/wake, and the weight-update calls.
-
 One in-process `vllm.LLM` per Ray actor (TP > 1: its workers are the actor's children): token ids
 in, token ids and their temperature-processed sampling log-probs (what the trainer recomputes) out.
 CPU choices are measured (see docs); eager: CUDA graphs, torch.compile cost a minute of start-up."""
@@ -49,8 +48,7 @@ class KnownWarnings(logging.Filter):
 
 
 def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None, dtype="auto"):
-    """vLLM's arguments for both engines, built in the engine's actor. `lora` (lora.engine_lora's):
-    one adapter of that rank and targets. `dtype`: the run's, checked on this GPU."""
+    """vLLM's arguments for both engines, built in their actor; `lora`: lora.engine_lora's."""
     import torch
     from vllm.config import WeightTransferConfig
 
@@ -86,8 +84,7 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None,
 class Engine:
     def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
                  lora=None, dtype="auto"):  # fmt: skip
-        """`memory`: on GPU the fraction for weights + KV cache, on CPU GiB of KV cache. `lora`:
-        serve the trainers' LoRA adapters too (load_adapter). `dtype`: the run's compute dtype."""
+        """`memory`: on GPU the fraction for weights + KV cache, on CPU GiB of KV cache."""
         from vllm import LLM
 
         args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
@@ -97,8 +94,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
         """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts).
-        `seeds` (one per prompt): sample j of prompt i is its own request seeded `seeds[i] + j`,
-        independent of batch and engine (exact --resume; n seeded samples crash vLLM on CPU)."""
+        `seeds[i] + j` seeds sample j of prompt i (its own request) in any batch, on any engine."""
         from vllm import SamplingParams, TokensPrompt
 
         base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
@@ -150,12 +146,10 @@ class Engine:
         self.version = version
 
     def _lora(self):
-        """The LoRARequest every request carries (None without LoRA, or before the first sync)."""
         return self.adapter.request() if self.adapter and self.adapter.written else None
 
     def sleep(self):
-        """Free the GPU (CUDA only). Level 2 drops the weights rather than parking them in host RAM
-        (level 1): the trainer resends them all. With LoRA only adapters are sent: level 1."""
+        """Free the GPU (CUDA only): level 2 drops weights (all resent), LoRA's 1 keeps the base."""
         self.llm.sleep(level=1 if self.adapter else 2)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -198,13 +192,12 @@ class Adapter:
 
 
 def check_kv_cache(args, policy: str) -> None:
-    """CPU: each engine's KV cache (--engine-memory GiB, fp32) holds one prompt + response of the
-    model (vLLM refuses to start otherwise), and the engines' caches fit in this machine's RAM."""
+    """CPU: each KV cache holds a prompt + response (else vLLM won't start); all fit in RAM."""
     if not getattr(args, "num_engines", 0):
         return
     shape, longest = shape_of(policy), args.max_prompt_length + args.max_response_length
     blocks = math.ceil(longest / KV_BLOCK) + 1  # vLLM keeps one block empty
-    need = 2 * shape.layers * shape.kv * 4 * KV_BLOCK * blocks / GiB  # K and V of every layer
+    need = 2 * shape.layers * shape.kv * 4 * KV_BLOCK * blocks / GiB  # K, V of every layer, fp32
     size, here = engine_memory(args, False), 1 if "RAY_ADDRESS" in os.environ else args.num_engines
     if size < need:
         raise InputError(f"--engine-memory {size:g} GiB of KV cache cannot hold one prompt + "
@@ -224,10 +217,8 @@ def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
 
 def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: float, top_p: float,
              max_tokens: int, seed=None, draw: int | None = None) -> list:  # fmt: skip
-    """Deal the prompts round-robin to the engines, n responses each, results in prompt order; with
-    `draw` seeded (sample_seeds), so a resumed run samples what the uninterrupted one did."""
-    k = len(engines)
-    seeds = sample_seeds(seed, draw, len(prompts)) if draw is not None else None
+    """Deal the prompts round-robin to the engines, n responses each, in order; seeded by `draw`."""
+    k, seeds = len(engines), sample_seeds(seed, draw, len(prompts)) if draw is not None else None
     refs = [e.generate.remote(prompts[i::k], n, temperature, top_p, max_tokens,
                               seeds and seeds[i::k]) for i, e in enumerate(engines)]  # fmt: skip
     outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
@@ -241,8 +232,7 @@ def spawn_engines(
     pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int,
     memory: float, use_gpu: bool, sleep_mode: bool = False, lora: dict | None = None,
     engine_cls=Engine, **engine_kwargs) -> list:  # fmt: skip
-    """One engine per slot (TP workers are child processes: they see the actor's GPUs), each loaded
-    before return: a failed start is named, not a sync timeout. `engine_cls`: e.g. AsyncEngine."""
+    """One engine per slot, loaded before return: a failed start is named, not a sync timeout."""
     # The driver's VLLM_* settings go to all engines, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (old runner)
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}

@@ -1,7 +1,6 @@
 """Failing well: one `error:` line, exit status 1, no traceback, for every failure a user causes.
-Bad input raises InputError before anything expensive starts; after Ray starts a fault (a dead
-actor, a broken reward function, a non-finite gradient, a signal) raises RunError, and the exit's
-Ray shutdown stops every actor. Flag ranges: in Args (`Annotated[int, ">= 1"]`), checked here."""
+Bad input raises InputError before anything expensive starts; later a fault (dead actor, broken
+reward, non-finite gradient, signal) raises RunError; Ray's shutdown at exit stops every actor."""
 
 import atexit
 import dataclasses
@@ -62,9 +61,8 @@ def check_ranges(args) -> None:
 
 
 def parse_args(args_cls, argv: list[str] | None = None):
-    """tyro.cli, with one `error:` line (exit 1) where tyro prints a box and exits 2: a flag not in
-    Args (or a sibling's: no_flag), no value, a non-number; --help shows each flag's range. On
-    sys.argv SIGTERM and Ctrl-C end the run in one line. --resume keeps the run's flags."""
+    """tyro.cli, but one `error:` line (exit 1) where tyro prints a box and exits 2: a flag not in
+    Args (no_flag), no value, a non-number. --help shows ranges; --resume keeps the run's flags."""
     import tyro
 
     if argv is None:

@@ -143,9 +143,8 @@ def join_cluster(address: str, where: str, opts: dict) -> None:
     try:
         ray.init(address=address, **opts)
     except (ConnectionError, RuntimeError) as e:
-        # a `ray start` cluster with token authentication wants its token, sent only if told to
         auth = "Authentication" in repr(e.__cause__) and os.getenv("RAY_AUTH_MODE") != "token"
-        hint = "; it wants its token: set RAY_AUTH_MODE=token" if auth else ""
+        hint = "; it wants its token: set RAY_AUTH_MODE=token" if auth else ""  # sent only if told
         raise InputError(f"could not join {where}: {str(e).splitlines()[0]}{hint}") from None
     finally:
         timer.cancel()

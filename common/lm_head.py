@@ -1,12 +1,10 @@
 """The LM head as log-probabilities of given tokens, a chunk at a time: no (tokens, vocab) logits.
-
-For the sampled tokens y_t only, the scripts need log π(y_t) = z_t[y_t] - logsumexp(z_t) with
-z_t = W h_t / T. Done plainly, N tokens make (N, vocab) fp32 logits and as many gradients: ~10 GB
-each for 16k tokens of Qwen's 151,936-token vocabulary. `TokenLogprobs` takes HEAD_CHUNK_BYTES of
-logits at a time, keeps each token's log-sum-exp and recomputes the chunk in the backward, where
-∂ log π(y_t) / ∂ z_t = onehot(y_t) - softmax(z_t); values are the plain computation's (same matmul
-in the model's dtype, then fp32). `token_logprobs` makes the nn.Linear head a `LogprobHead` (same
-parameter, name, checkpoints), inside the model's forward: FSDP2 gathers and frees it as usual."""
+Only the sampled tokens' log π(y_t) = z_t[y_t] - logsumexp(z_t), z_t = W h_t / T, are needed. Done
+plainly, N tokens make (N, vocab) fp32 logits and as many gradients: ~10 GB each for 16k tokens of
+Qwen's 152k vocabulary. `TokenLogprobs` takes HEAD_CHUNK_BYTES of logits at a time, keeps each
+token's log-sum-exp, recomputes the chunk in the backward (∂ log π(y_t) / ∂ z_t = onehot(y_t) -
+softmax(z_t)); values are the plain computation's (same matmul in the model's dtype, then fp32).
+`token_logprobs` makes the head a `LogprobHead` inside the forward: FSDP2 gathers and frees it."""
 
 from contextlib import contextmanager
 
@@ -23,8 +21,7 @@ class TokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, temperature: float, top_p: float, entropy: bool):
         chunk = max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        lse, logp = torch.empty_like(out), None
-        ent = torch.empty_like(out) if entropy else None
+        lse, logp, ent = torch.empty_like(out), None, torch.empty_like(out) if entropy else None
         for s in range(0, hidden.shape[0], chunk):
             z = (hidden[s : s + chunk] @ weight.T).float() / temperature  # (c, V)
             z = nucleus(z, labels[s : s + chunk], top_p)
@@ -56,8 +53,7 @@ class TokenLogprobs(torch.autograd.Function):
             if grad_ent is not None:
                 coef = logp.add(ent[s : s + chunk, None]).nan_to_num_(0, 0, 0)
                 coef = coef.mul_(grad_ent[s : s + chunk, None]).add_(g)
-            dz = logp.exp_().mul_(-coef)  # -coef softmax(z) ...
-            logp = None
+            dz, logp = logp.exp_().mul_(-coef), None  # -coef softmax(z) ...
             dz.scatter_add_(1, labels[s : s + chunk, None], g).div_(T)  # + g onehot(y); z = W h / T
             if grad_hidden is not None:
                 grad_hidden[s : s + chunk] = dz.to(weight.dtype) @ weight
@@ -95,16 +91,14 @@ class LogprobHead(torch.nn.Linear):
 
 def install(model) -> None:
     """Turn the model's LM head into a LogprobHead in place (a class change: parameters stay)."""
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None:
+    if type(head := model.get_output_embeddings()) is not torch.nn.Linear or head.bias is not None:
         raise TypeError(f"expected an nn.Linear LM head without bias, got {type(head).__name__}")
     head.__class__ = LogprobHead
 
 
 @contextmanager
 def token_logprobs(model, labels, temperature: float = 1.0, top_p: float = 1.0, entropy=False):
-    """In this block the model's `logits` are the (N,) log-probabilities of `labels` (with
-    `entropy`, (N, 2): and the entropy of each position's distribution)."""
+    """In this block `logits` are the (N,) log π of `labels` (with `entropy`: (N, 2), and H)."""
     if not isinstance(model.get_output_embeddings(), LogprobHead):
         install(model)
     head = model.get_output_embeddings()

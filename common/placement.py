@@ -38,9 +38,8 @@ def count_gpus() -> tuple[int, str]:
 
 
 def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart="") -> tuple:
-    """(use GPUs, colocate) for a job needing `split` GPUs, every actor on GPUs of its own, or
-    `colocated` if they share (None: they cannot; `why_apart` says why), printed in one line. They
-    share with --colocate, else if GPUs are too few (one GPU: the usual machine); on CPU never."""
+    """(use GPUs, colocate) for `split` GPUs apart or `colocated` shared (None: cannot; `why_apart`
+    says why). Shared with --colocate or too few GPUs (one: the usual machine); never on CPU."""
     have, where = count_gpus()
     if have == 0:
         if colocate:
@@ -107,10 +106,9 @@ class Slot:
 
 
 class Layout:
-    """A job's bundles (trainer ranks, critic ranks, engines, reward model) and each actor's slot.
-    GPU with `colocate`: only trainer ranks have bundles; engine i, critic rank i and the reward
-    model (bundle 0) take equal shares of rank i's GPU (turns: vLLM sleeps while others train), not
-    its CPU (a second ask would wait forever). CPU: a one-CPU bundle each (vLLM cannot sleep)."""
+    """A job's bundles and each actor's slot. With `colocate`: only trainer ranks have bundles;
+    engine i, critic rank i and the reward model (bundle 0) share rank i's GPU equally (turns: vLLM
+    sleeps while others train), not its CPU (asking twice hangs). CPU: a one-CPU bundle each."""
 
     def __init__(self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False,
                  critics=0, reward_model=False):  # fmt: skip
@@ -206,10 +204,9 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
 
 
 def call(actors: list, method: str, *args, per_rank=None, timeout=None, watch=()) -> list:
-    """Call `method` on every actor (`per_rank[i]` first if given) and wait: a method name, or a
-    script's function run on trainer shells as method(trainer, ...) (common/trainer.py). An actor
-    dead or silent for `timeout` s is a one-line RunError naming it, not a hang (shutdown cancels
-    the rest); so is one of `watch` (busy meanwhile: engines) dying, checked every WATCH_S s."""
+    """Call `method` (a name, or a script's function run on trainer shells) on every actor,
+    `per_rank[i]` first if given, and wait. One dead or silent for `timeout` s, or one of `watch`
+    (busy: engines) dying, is a one-line RunError, not a hang (shutdown cancels the rest)."""
     name, fn = (method, ()) if isinstance(method, str) else ("run", (method,))
     refs = [getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args)
             for i, a in enumerate(actors)]  # fmt: skip

@@ -1,5 +1,4 @@
 """The floating-point format a run computes in, chosen once from the GPU; float16's loss scaling.
-
 CPU: float32 everywhere. GPU: master weights, gradient reduction and AdamW stay float32; FSDP2's
 MixedPrecisionPolicy casts each layer to the compute dtype: --dtype, or bfloat16 from compute
 capability 8.0 (Ampere) and float16 below (7.5: Colab's T4). The engines, weights sent to them,

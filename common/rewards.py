@@ -1,6 +1,5 @@
-"""The reward harness: named terms (the verifier, --reward-fn's), each a function per sampled
-response, summed with their weights; a broken one (raise, hang, non-number) ends the run in one line
-naming it, step and row (in the driver or RewardWorker)."""
+"""The reward harness: named terms (the verifier, --reward-fn's) per response, summed by weight; a
+broken one (raise, hang, non-number) ends the run in one line naming it, step and row."""
 
 import math
 import numbers
@@ -15,8 +14,7 @@ from common.errors import InputError, RunError
 
 
 def reward_terms(verifier, weight: float, specs=()) -> dict:
-    """{name: (function, weight)}: the verifier, then each --reward-fn `file.py:function[=weight]`
-    (weight 1 when not given) under its function's name."""
+    """{name: (fn, weight)}: the verifier, each --reward-fn `file.py:name[=weight]` (1 if none)."""
     terms = {"verifier": (verifier, weight)}
     for spec in specs:
         path, _, w = spec.rpartition("=") if "=" in spec.rpartition(":")[2] else (spec, "", "1")
@@ -49,8 +47,7 @@ def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, la
     def late(*_):
         raise Late
 
-    previous = signal.signal(signal.SIGUSR1, late)
-    out = []
+    previous, out = signal.signal(signal.SIGUSR1, late), []
     try:
         for row, (response, answer) in enumerate(pairs, 1):
             at = f"{where}, {labels[row - 1]}" if labels else f"{where}, row {row}"

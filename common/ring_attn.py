@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from transformers import AttentionInterface
 
 from common import attn_blocks
@@ -68,6 +69,26 @@ def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, 
     rank computes the same loss from them, so the backward is the identity (_SumOverGroup)."""
     sums = values.new_zeros(num_seqs).index_add(0, seq_index, values)
     return sums if group is None else _SumOverGroup.apply(sums, group)
+
+
+class Responses(NamedTuple):
+    """Which response each of this rank's response tokens is: `index` (N,) among the `count` of its
+    packed micro-batch; their other tokens are on the --sp-size `group`'s other ranks (None: none).
+    In compute_loss as values["responses"], for sequence-level terms (GSPO's s_i)."""
+
+    index: torch.Tensor
+    count: int
+    group: object = None
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """(count,) Σ_t x_it over each whole response. Each rank's loss holds its own tokens' terms,
+        so the gradient is summed over the group too (torch's autograd all_reduce)."""
+        sums = x.new_zeros(self.count).index_add(0, self.index, x)
+        return sums if self.group is None else dist_nn.all_reduce(sums, group=self.group)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """(N,) 1/|o_i| Σ_t x_it of each token's response o_i, at each token: a sequence mean."""
+        return (self.sum(x) / self.sum(torch.ones_like(x)).clamp(min=1))[self.index]
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from common import checkpoint, lora, placement, weight_sync
 from common.memory import to_device, to_host
 from common.precision import LossScale, compute_dtype, mixed_precision
-from common.ring_attn import enable_ring_attention, shard_micro_batch, sp_groups
+from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch, sp_groups
 
 
 def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dtype="auto", **cfg):
@@ -143,9 +143,13 @@ class Trainer:
         return out
 
     def local_part(self, mb: dict) -> dict:
-        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks."""
+        """A micro-batch on this rank's device; with --sp-size k, its 2 of each row's 2k chunks.
+        "responses": which sequence each of its loss tokens is (ring_attn.Responses)."""
         mb = {k: v.to(self.device) for k, v in mb.items()}
-        return shard_micro_batch(mb, self.sp.rank, self.sp.size)
+        index = (mb["position_ids"] == 0).cumsum(1) - 1  # (1, T): each token's sequence
+        mb = shard_micro_batch({**mb, "seq": index}, self.sp.rank, self.sp.size)
+        at = mb.pop("seq")[0, mb["loss_mask"][0].bool()]
+        return {**mb, "responses": Responses(at, int(index[0, -1]) + 1, self.sp.group)}
 
     def optimizer_step(self, step: int) -> float:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops

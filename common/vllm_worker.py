@@ -1,11 +1,9 @@
 """vLLM's side of the weight sync: a "gloo" backend for CPU, and a check that updates are whole.
-
-vLLM only warns when an update leaves a weight unset (the layer keeps its memory: after sleep
-level 2, garbage); `Whole` makes it fail, naming the first weight, in every backend: "checked-gloo"
-(below), "checked-nccl", "checked-ipc" (vLLM's, CUDA-only). Gloo is in vLLM's two factories; its
-group: trainer rank 0 (sender) + every engine worker (ranks 1..), both cutting the same chunks
-from the same metadata (only bytes travel). vLLM workers import this (`worker_extension_cls`:
-registering must happen where the engine is built), trainers lazily."""
+vLLM only warns if an update leaves a weight unset (the layer keeps its memory: after sleep level 2,
+garbage); `Whole` makes it fail, naming the first weight, in every backend: "checked-gloo",
+"checked-nccl", "checked-ipc" (vLLM's, CUDA-only). Gloo: trainer rank 0 broadcasts to every engine
+worker (ranks 1..), both chunking the same metadata alike (only bytes travel). vLLM workers import
+this (`worker_extension_cls`: it must register where the engine is built), trainers lazily."""
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -28,8 +26,7 @@ class WorkerExtension:
 
 
 class Whole:
-    """Mixed into a WeightTransferEngine: the names the model's `load_weights` set during an update
-    must cover all its parameters but KV_SCALES (vLLM's reload_weights only warns)."""
+    """A WeightTransferEngine mixin: an update must set every parameter (KV_SCALES aside)."""
 
     def start_weight_update(self) -> None:
         super().start_weight_update()
@@ -46,8 +43,7 @@ class Whole:
         del self.model.load_weights  # the class's method again
         super().finish_weight_update()
         expected = {name.replace(".base_layer.", ".") for name, _ in self.model.named_parameters()}
-        missing = sorted(n for n in expected - self.received if not n.endswith(KV_SCALES))
-        if missing:
+        if missing := sorted(n for n in expected - self.received if not n.endswith(KV_SCALES)):
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise RuntimeError(f"the weight update set {len(expected) - len(missing)} of the "
                                f"engine's {len(expected)} weights; missing: "
@@ -101,8 +97,7 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
         self.group = gloo_group(addr, port, rank, init_info.world_size)
 
     def start_weight_update(self) -> None:
-        # vLLM CPU repacks linear weights after loading; layerwise reload redoes that per layer.
-        reload.initialize_layerwise_reload(self.model)
+        reload.initialize_layerwise_reload(self.model)  # redoes vLLM CPU's repacking per layer
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU.
@@ -145,8 +140,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        # The workers block in init until the whole group has joined: join from here meanwhile.
-        if engine.is_sender:
+        if engine.is_sender:  # the workers wait in init for the whole group: join meanwhile
             addr, port, size = init_info.master_address, init_info.master_port, init_info.world_size
             with ThreadPoolExecutor(max_workers=1) as pool:
                 info = asdict(GlooInitInfo(addr, port, 1, size))

@@ -5,11 +5,10 @@
     ipc      colocated: a trainer rank, an engine per GPU  CUDA IPC handles to the trainer's tensors
     gloo     CPU                                           gloo broadcast (common/vllm_worker.py)
 
-Each trainer rank calls `init_weight_sync` once, `.push()` after each optimizer step: all ranks
-gather full tensors from their FSDP shards, rank 0 drives the engines (start, update, finish). No
-stale or half-loaded weights in silence: engines refuse an update that missed a weight, `.check()`
-compares their log-probs of a probe text with the trainer's. LoRA: only the adapters travel
-(--lora-merge-sync: merged weights). vLLM is lazily imported: the driver loads this module too."""
+Each trainer rank calls `init_weight_sync` once, `.push()` after each optimizer step (all gather
+full tensors, rank 0 drives the engines). No silent stale or half-loaded weights: engines refuse an
+update missing one, `.check()` compares their log-probs of a probe text to the trainer's. LoRA:
+adapters only (--lora-merge-sync: merged). vLLM is imported lazily (the driver loads this too)."""
 
 import ray
 import torch
@@ -96,8 +95,7 @@ class AdapterTransfer:
 
 
 class WeightSync:
-    """A trainer rank's end of the weight sync (`transfer`: vLLM's trainer-side engine): `.push()`
-    sends the current weights as the engines' next version, `.check()` proves they serve them."""
+    """A trainer rank's end of the weight sync (`transfer`: vLLM's trainer-side engine)."""
 
     def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype: torch.dtype,
                  nbytes: int):  # fmt: skip

@@ -1,8 +1,6 @@
 """Shared fixtures: tiny models built locally (no hub), the built-in tokenizer, subprocess
 helpers."""
 
-import ast
-import difflib
 import importlib.metadata
 import json
 import os
@@ -15,6 +13,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))  # check_variant.py
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -130,39 +129,12 @@ def read_jsonl(path):
 
 
 def tagged_diff(parent: str, variant: str, tag: re.Pattern) -> tuple[int, list[int], set[str]]:
-    """A variant script against its parent: (changed lines, variant lines of hunks without a tag,
-    tags found).
+    """scripts/check_variant.py's tagged_diff on two scripts (paths from the repo root): (changed
+    lines, variant lines of hunks without a tag, tags found)."""
+    import check_variant
 
-    A hunk = changes with 2 lines of context around them (as in `diff -U2`): a tag on a changed line
-    or right beside it counts. Hunks inside the module docstring (the paper header, rewritten) need
-    no tag; their lines count.
-    """
-
-    def read(name):
-        with open(os.path.join(REPO, name)) as f:
-            return f.read().splitlines()
-
-    def docstring_end(text_lines):
-        return ast.parse("\n".join(text_lines)).body[0].end_lineno - 1
-
-    old, new = read(parent), read(variant)
-    changed = sum(
-        1
-        for d in difflib.unified_diff(old, new, lineterm="", n=0)
-        if d[:1] in "+-" and d[:3] not in ("+++", "---")
-    )
-    doc_a, doc_b = docstring_end(old), docstring_end(new)
-    untagged, found = [], set()
-    for group in difflib.SequenceMatcher(None, old, new, autojunk=False).get_grouped_opcodes(2):
-        edits = [op for op in group if op[0] != "equal"]
-        if all(i2 - 1 <= doc_a and j2 - 1 <= doc_b for _, _, i2, _, j2 in edits):
-            continue
-        j1, j2 = group[0][3], group[-1][4]
-        tags = {m for line in new[j1:j2] for m in tag.findall(line)}
-        found |= tags
-        if not tags:
-            untagged.append(j1 + 1)
-    return changed, untagged, found
+    with open(os.path.join(REPO, parent)) as a, open(os.path.join(REPO, variant)) as b:
+        return check_variant.tagged_diff(a.read().splitlines(), b.read().splitlines(), tag)
 
 
 def only_run_dir(output_dir):

@@ -243,7 +243,7 @@ def test_compute_loss_by_hand():
     loss, stats = dapo.compute_loss(logprobs, values, args)
     # surrogate: -1.28, -1.25, -max(-0.5, -0.8) = 0.8 -> x TIS (1, 2, 1)
     assert loss.item() == pytest.approx(0.25 * -1.28 + 0.25 * -2.5 + 0.5 * 0.8)
-    assert stats["clipped_tokens"].item() == 2 and set(stats) == {"clipped_tokens", "tis_sum"}
+    assert stats["clipfrac"].item() == 2 and set(stats) == {"clipfrac", "tis_weight"}
 
 
 @pytest.mark.engine

@@ -61,6 +61,19 @@ def test_reward_terms_compose_and_log_apart_with_the_verifiers_accuracy(tmp_path
     assert metrics["rollout/solved_all"] == 0.5 and metrics["rollout/solved_none"] == 0.5
 
 
+def test_every_per_token_stat_of_the_update_is_logged_as_its_mean():
+    """A stat a variant adds to compute_loss's (a sum over its tokens) is train/<name>, its mean per
+    trained token over every rank, with no edit to train_metrics."""
+    args = grpo.Args(num_minibatches=2)
+    ranks = [{"loss": 0.5, "tokens": 6.0, "logprob_diff_sum": 0.0, "logprob_diff_max": 0.0,
+              "grad_norms": 2.0, "lr": 1e-5, "token_sums": {"clipfrac": 1.0, "my_stat": 3.0}},
+             {"loss": 0.1, "tokens": 4.0, "logprob_diff_sum": 0.0, "logprob_diff_max": 0.0,
+              "grad_norms": 2.0, "lr": 1e-5, "token_sums": {"clipfrac": 0.0, "my_stat": 2.0}}]  # fmt: skip
+    metrics = grpo.train_metrics(ranks, args)
+    assert metrics["train/my_stat"] == 0.5 and metrics["train/clipfrac"] == 0.1
+    assert metrics["train/loss"] == pytest.approx(0.3) and metrics["train/grad_norm"] == 1.0
+
+
 def test_loss_aggregation_by_hand():
     w = grpo.loss_weights([2, 4], grpo.Args())  # mean over tokens, then over the 2 responses
     assert w == [[0.25, 0.25], [0.125] * 4]
@@ -226,6 +239,11 @@ def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(
     run_dir = only_run_dir(tmp_path / "runs")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["train/kl"] > 0
+    # the console shows every per-token stat of the update (main lists none of them) but plumbing's
+    line = next(line for line in result.stdout.splitlines() if line.startswith("step 2 |"))
+    for key in ("train/loss", "train/clipfrac", "train/tis_weight", "train/entropy", "train/kl"):
+        assert f"{key} " in line, (key, line)
+    assert "train/lr" not in line and "train/grad_norm" not in line, line
     assert (
         rows[-1]["train/logprob_diff_max"] < 1e-4
     )  # step 2 sampled from the weights pushed after step 1
@@ -289,12 +307,12 @@ def test_compute_loss_by_hand():
     loss, stats = grpo.compute_loss(logprobs, values, args)
     # surrogate: -1.2, -1.0, -max(-0.5, -0.8) = 0.8 -> x TIS (1, 2, 0.5): -1.2, -2.0, 0.4
     assert loss.item() == pytest.approx(0.5 * -1.2 + 0.25 * -2.0 + 0.25 * 0.4)
-    assert stats["clipped_tokens"].item() == 2 and stats["tis_sum"].item() == pytest.approx(3.5)
-    assert stats["kl_sum"].item() == pytest.approx(0.0)
+    assert stats["clipfrac"].item() == 2 and stats["tis_weight"].item() == pytest.approx(3.5)
+    assert stats["kl"].item() == pytest.approx(0.0)
     # one token with ref - logp = -1: k3 = e^-1 + 1 - 1
     loss_kl, stats = grpo.compute_loss(
         logprobs, {**values, "ref_logprobs": logprobs - torch.tensor([0.0, 0.0, 1.0])}, args
     )
     assert (loss_kl - loss).item() == pytest.approx(0.25 * 0.5 * math.exp(-1), rel=1e-5)
     no_ref = {k: v for k, v in values.items() if k != "ref_logprobs"}
-    assert "kl_sum" not in grpo.compute_loss(logprobs, no_ref, args)[1]  # β = 0: no reference model
+    assert "kl" not in grpo.compute_loss(logprobs, no_ref, args)[1]  # β = 0: no reference model

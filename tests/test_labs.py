@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import check_variant
 import pytest
 from conftest import KEYS, STUDENTS_COPY, needs_keys
 from test_grader import grade_in_one_process
@@ -159,74 +160,18 @@ def test_solution_applies_passes_its_grader_and_the_parent_fails(lab, tmp_path):
     assert result["commands"] == ["ok"] * len(commands), f"{lab}/README.md: {result['commands']}"
 
 
-BANNER = re.compile(r"^# (ALGO LOGIC|TRY NOT TO MODIFY|SETUP AND CHECKS):|^def main\(")
-
-
-def protected_lines(path: str) -> set[int]:
-    """Line numbers of a script's TRY NOT TO MODIFY blocks: from each such top-level banner comment
-    to the next top-level banner (ALGO LOGIC, TRY NOT TO MODIFY, SETUP AND CHECKS) or `def
-    main(`."""
-    with open(path) as f:
-        lines = f.read().splitlines()
-    protected, inside = set(), False
-    for number, line in enumerate(lines, 1):
-        if BANNER.match(line):
-            inside = line.startswith("# TRY NOT TO MODIFY:")
-        if inside:
-            protected.add(number)
-    return protected
-
-
-def touched_lines(diff_path: str) -> list[tuple[int, str]]:
-    """(line of the parent, diff line) for every line a diff removes, and for every line it inserts
-    the two parent lines around the insertion point (an insertion inside a block touches the
-    block)."""
-    with open(diff_path) as f:
-        text = f.read()
-    touched, old = [], 0
-    for line in text.splitlines():
-        hunk = re.match(r"^@@ -(\d+)", line)
-        if hunk:
-            old = int(hunk.group(1))
-        elif line.startswith("-") and not line.startswith("---"):
-            touched.append((old, line))
-            old += 1
-        elif line.startswith("+") and not line.startswith("+++"):
-            touched.append((old - 0.5, line))  # between parent lines old - 1 and old
-        elif line.startswith(" "):
-            old += 1
-    return touched
-
-
-@needs_keys
-@pytest.mark.parametrize("lab", LABS)
-def test_solutions_leave_the_plumbing_alone(lab):
-    """A lab changes the algorithm (ALGO LOGIC blocks, Args, main's loop, the checks) and never a
-    TRY NOT TO MODIFY block: a new loss input or aggregation reaches the trainer without editing the
-    plumbing."""
-    parent = parent_of(lab)
-    inside = plumbing_edits(
-        os.path.join(REPO, parent), os.path.join(LABS_DIR, lab, "solution.diff")
-    )
-    assert not inside, f"{lab} edits TRY NOT TO MODIFY blocks of {parent}: {inside[:5]}"
-
-
 def plumbing_edits(parent: str, diff: str) -> list[tuple[float, str]]:
-    """The lines of a diff of `parent` that fall inside its TRY NOT TO MODIFY blocks."""
-    protected = protected_lines(parent)
-    return [
-        (where, line)
-        for where, line in touched_lines(diff)
-        if (where in protected) or (where % 1 and {where - 0.5, where + 0.5} <= protected)
-    ]
+    """scripts/check_variant.py's plumbing_edits on files: the parent script, a diff of it."""
+    with open(parent) as p, open(diff) as d:
+        return check_variant.plumbing_edits(p.read().splitlines(), d.read())
 
 
 def test_the_plumbing_check_can_fail(tmp_path):
-    """protected_lines and touched_lines find an edit inside a TRY NOT TO MODIFY block of
-    grpo.py."""
-    protected = protected_lines(os.path.join(REPO, "grpo.py"))
+    """check_variant's protected_lines and touched_lines find an edit inside a TRY NOT TO MODIFY
+    block of grpo.py."""
     with open(os.path.join(REPO, "grpo.py")) as f:
         lines = f.read().splitlines()
+    protected = check_variant.protected_lines(lines)
     step = next(i for i, line in enumerate(lines, 1) if "def make_sequence" in line)
     main = next(i for i, line in enumerate(lines, 1) if line.startswith("def main("))
     assert step in protected and main not in protected and main + 5 not in protected

@@ -303,9 +303,9 @@ def test_policy_and_critic_losses_by_hand():
     assert loss.item() == pytest.approx(
         0.5 * -1.2 + 0.25 * -2.0 + 0.25 * 0.8
     )  # no TIS weight in ppo.py
-    assert stats["clipped_tokens"].item() == 2
+    assert stats["clipfrac"].item() == 2
     r = torch.tensor([1.5, 1.0, 0.5])  # k3 of KL(π_θold‖π_θ): (ρ - 1) - log ρ per token
-    assert stats["approx_kl_sum"].item() == pytest.approx(
+    assert stats["approx_kl"].item() == pytest.approx(
         ((r - 1) - torch.log(r)).sum().item(), rel=1e-5
     )
     predicted = torch.tensor([0.5, 1.5])
@@ -315,7 +315,7 @@ def test_policy_and_critic_losses_by_hand():
     # both clipped to 0.2 and 1.2: 0.5 * max(0.25, 0.64) and 0.5 * max(0.25, 0.64)
     assert (
         loss.item() == pytest.approx(0.5 * 0.32 + 0.5 * 0.32)
-        and stats["value_clipped_tokens"].item() == 2
+        and stats["value_clipfrac"].item() == 2
     )
 
 

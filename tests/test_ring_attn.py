@@ -343,3 +343,50 @@ def test_training_step_with_sp_equals_without(tiny_model, world, sp_size):
     # (4, 2): a 2 x 2 DP x SP mesh, compared with 4-way DP; gradient checkpointing re-runs the ring
     # in backward
     spawn(_check_training_step, world, tiny_model, sp_size)
+
+
+def _response_means(rank, world, sp_size):
+    """A sequence-level loss through Trainer.local_part's Responses, on `world` ranks in SP groups
+    of sp_size: each rank's local loss summed, and each token's gradient, against one rank's."""
+    from common.data import response_values
+    from common.trainer import Trainer
+
+    lengths, gen = [5, 11, 1, 9], torch.Generator().manual_seed(0)
+    T = sum(lengths)  # 26 tokens in one packed row: four sequences, 2k-padded by the shard
+    mb = {"input_ids": torch.randint(0, 50, (1, T), generator=gen),
+          "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+          "labels": torch.zeros(1, T, dtype=torch.long), "at": torch.arange(T)[None].double(),
+          "loss_mask": (torch.rand(1, T, generator=gen) < 0.7).long(),  # prompts and glue: 0
+          "x": torch.randn(1, T, generator=gen, dtype=torch.float64)}  # fmt: skip
+    advantages = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+
+    def loss_and_grads(sp):
+        shell = SimpleNamespace(device=torch.device("cpu"), sp=sp)
+        values = response_values(Trainer.__ray_actor_class__.local_part(shell, mb))
+        x = values["x"].clone().requires_grad_(True)
+        responses = values["responses"]
+        s = torch.exp(responses.mean(x))  # GSPO's s_i: the mean over the whole response
+        loss = (s * advantages[responses.index] + 0.1 * x**2).sum()  # + a per-token term
+        loss.backward()
+        return loss, dict(zip(values["at"].long().tolist(), x.grad.tolist()))
+
+    sp = sp_groups(world, sp_size)
+    loss, grads = loss_and_grads(sp)
+    single_loss, single_grads = loss_and_grads(SimpleNamespace(group=None, rank=0, size=1))
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    every = [None] * world
+    dist.all_gather_object(every, grads)
+    merged = {t: g for rank_grads in every for t, g in rank_grads.items()}
+    # the data-parallel groups hold the same row: their tokens' losses add up world / sp times
+    torch.testing.assert_close(total, single_loss.detach() * (world // sp_size))
+    assert merged.keys() == single_grads.keys()  # every loss token on exactly one rank of a group
+    for t, g in single_grads.items():
+        assert merged[t] == pytest.approx(g, rel=1e-9, abs=1e-12), t
+
+
+@pytest.mark.parametrize("world,sp_size", [(2, 2), (4, 2)])
+def test_response_means_under_sp_equal_the_whole_row(world, sp_size):
+    """values["responses"].mean (GSPO's sequence ratio) on a row split by ring attention's zigzag:
+    the same loss and, summed over the group as FSDP sums them, the same gradient at every token."""
+    spawn(_response_means, world, sp_size)

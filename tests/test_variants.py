@@ -7,6 +7,8 @@ import difflib
 import importlib.util
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from test_labs import plumbing_edits
 
 from common.data import split_for_ranks
 from common.errors import check_ranges, flag_ranges
+from common.ring_attn import Responses
 
 TAG = re.compile(r"# DRGRPO \(([a-z-]+)\)")
 EDITS = [  # (text of grpo.py, replacement): each hunk tagged, as step 3 asks
@@ -124,7 +127,9 @@ def test_an_entropy_bonus_is_a_few_lines_and_its_gradient_raises_the_entropy(
     entropies = []
     for step in range(2):
         stats = module.train_step(trainer, [split_for_ranks([seq], 1, 64)[0]], step)
-        entropies.append(stats["entropy_sum"] / stats["tokens"])  # before this step's update
+        entropies.append(
+            stats["token_sums"]["entropy"] / stats["tokens"]
+        )  # before this step's update
         assert stats["loss"] == pytest.approx(-entropies[-1], rel=1e-5)  # the loss is -α H
     assert entropies[1] > entropies[0] + 1e-5, entropies  # near log V already: a small rise
     dist.destroy_process_group()
@@ -207,3 +212,90 @@ def test_cispo_worked_example_keeps_the_gradient_of_clipped_tokens(tmp_path):
         module.compute_loss(lp, values, args)[0].backward()
         same[name] = lp.grad.tolist()
     assert same["cispo"] == pytest.approx(same["grpo"])
+
+
+GSPO = [  # docs/variants.md's GSPO: one ratio per response, s_i = exp(mean_t log ρ_it), clipped whole
+    (
+        '    clip_eps: Annotated[float, "> 0, < 1"] = 0.2\n',
+        '    clip_eps: Annotated[float, "> 0, < 1"] = 4e-4  # GSPO (clip): ε of s_i (paper: 3e-4, '
+        "4e-4)\n",
+    ),
+    (
+        '    pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], *eps)\n',
+        "    # GSPO (sequence-ratio): log s_i = 1/|o_i| Σ_t log ρ_it at every token of o_i\n"
+        '    seq_logprobs = old + values["responses"].mean(logprobs - old)\n'
+        '    pg_loss, clipped = compute_policy_loss(seq_logprobs, old, values["advantages"], *eps)\n',
+    ),
+]
+
+
+def test_gspo_worked_example_clips_whole_responses(tmp_path, one_rank_group, tiny_model):
+    """GSPO's sequence ratio from values["responses"] (Trainer.local_part's response index): by hand,
+    a response whose s_i leaves [1 - ε, 1 + ε] loses the gradient of every token, one inside keeps
+    every token's, whatever each token's own ratio; through the real update with one update per
+    rollout (ratio 1) its loss and gradient are grpo.py's."""
+    import grpo
+
+    gspo = apply_variant(tmp_path, "grpo_gspo", GSPO, "GSPO", 6)
+    args = gspo.Args()  # ε = 4e-4
+    old, ones = torch.zeros(5), torch.ones(5)
+    values = {"old_logprobs": old, "engine_logprobs": old, "advantages": ones,
+              "loss_weights": torch.tensor([1 / 4, 1 / 4, 1 / 6, 1 / 6, 1 / 6]),
+              "responses": Responses(torch.tensor([0, 0, 1, 1, 1]), 2)}  # fmt: skip
+    grads = {}
+    for name, module in (("gspo", gspo), ("grpo", grpo)):
+        lp = torch.tensor([0.1, -0.1, 0.3, 0.0, 0.0], requires_grad=True)  # s = 1, e^0.1
+        module.compute_loss(lp, values, args)[0].backward()
+        grads[name] = lp.grad.tolist()
+    # GSPO: response 0 has s = 1: each token -Â s / (n |o|) = -1/4; response 1 is clipped whole
+    assert grads["gspo"] == pytest.approx([-0.25, -0.25, 0.0, 0.0, 0.0])
+    # GRPO clips token by token: ρ = e^0.1 and e^0.3 clipped, e^-0.1 raised by the clip, 1 kept
+    assert grads["grpo"] == pytest.approx([0.0, -math.exp(-0.1) / 4, 0.0, -1 / 6, -1 / 6])
+
+    addr, port = one_rank_group
+    args = gspo.Args(learning_rate=1e-12, warmup_steps=0)  # the weights stay where they are
+    trainer = gspo.Trainer.__ray_actor_class__(
+        *gspo.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
+    )
+    seqs = [gspo.make_sequence([5, 6, 7], list(r), advantages=[a] * len(r), loss_weights=[w] * len(r),
+                               engine_logprobs=[-100.0] * len(r))  # TIS weight: C, all
+            for r, a, w in (([8, 9], 1.0, 1 / 4), ([10, 11, 12], -1.0, 1 / 6))]  # fmt: skip
+    stats = [module.train_step(trainer, [split_for_ranks(seqs, 1, 64)[0]], 0)
+             for module in (gspo, grpo)]  # fmt: skip
+    assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], rel=1e-5)
+    assert stats[0]["grad_norms"] == pytest.approx(stats[1]["grad_norms"], rel=1e-5)
+
+
+def test_the_variant_command_passes_dapo_and_names_what_is_wrong(tmp_path):
+    """scripts/check_variant.py, the user's command for checklist step 4: dapo.py passes (its tag
+    found by itself); a copy with an untagged change, an edit of the plumbing and too many lines
+    fails, each named in one line, with exit code 1; a missing file is one usage error."""
+    command = [sys.executable, f"{REPO}/scripts/check_variant.py", "grpo.py"]
+    ok = subprocess.run([*command, "dapo.py", "--budget", "120"], cwd=REPO, capture_output=True,
+                        text=True)  # fmt: skip
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1] == "ok", ok.stdout + ok.stderr
+    assert "tag DAPO, sections: clip-higher, dynamic-sampling, no-kl" in ok.stdout
+    with open(f"{REPO}/grpo.py") as f:
+        text = f.read()
+    bad = text.replace("    kl_coef: Annotated", "    kl_coef: Annotated", 1)
+    bad = bad.replace(
+        "    return torch.ones(", "    return torch.zeros(", 1
+    )  # keep_groups: untagged
+    bad = bad.replace(
+        "    ids = prompt + response\n", "    ids = prompt + response  # MINE: x\n", 1
+    )
+    bad = bad.replace(
+        "    eps = (args.clip_eps, args.clip_eps)", "    eps = (0.1, 0.1)  # MINE: a", 1
+    )
+    (tmp_path / "mine.py").write_text(bad)
+    out = subprocess.run([*command, str(tmp_path / "mine.py"), "--budget", "2"], cwd=REPO,
+                         capture_output=True, text=True)  # fmt: skip
+    lines = out.stdout.splitlines()
+    assert out.returncode == 1 and lines[-1] == "not a clean variant", out.stdout + out.stderr
+    assert "6 changed lines (budget 2), tag MINE" in lines[0]
+    assert any(line.startswith("  untagged hunk near") for line in lines), lines
+    step = text.splitlines().index("    ids = prompt + response") + 1  # make_sequence: plumbing
+    assert f"  edits the plumbing: grpo.py line {step} is in a TRY NOT TO MODIFY block" in lines
+    assert "  over budget: 6 changed lines, at most 2" in lines
+    missing = subprocess.run([*command, "nope.py"], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode == 2 and "nope.py: No such file or directory" in missing.stderr

@@ -81,13 +81,13 @@ with g.check(
     hint="compute_policy_loss takes both ends of the clip: compute_loss must pass ε_high as the upper one",
 ):
     loss, stats = m.compute_loss(logprobs, values, m.Args(clip_eps=0.2, clip_eps_high=0.28))
-    clipped = stats["clipped_tokens"].item()
+    clipped = stats["clipfrac"].item()
     expect(
         close(loss, 0.25 * (-1.25 + 1.25 + 0.8 - 0.7)) and clipped == 1,
         f"loss {rounded(loss)}, {clipped:g} clipped tokens {given}, weights 1/4, ε 0.2, ε_high 0.28",
     )
     loss, stats = m.compute_loss(logprobs, values, m.Args(clip_eps=0.2, clip_eps_high=0.2))
-    clipped = stats["clipped_tokens"].item()
+    clipped = stats["clipfrac"].item()
     expect(
         close(loss, 0.25 * (-1.2 + 1.25 + 0.8 - 0.7)) and clipped == 2,
         f"loss {rounded(loss)}, {clipped:g} clipped tokens {given}, weights 1/4, ε = ε_high = 0.2",
