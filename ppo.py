@@ -911,8 +911,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     shared = args.num_trainers if same else None
     use_gpu, args.colocate = placement.choose_layout(apart, shared, args.colocate)
     args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
-    if use_gpu and (args.engine_memory or 0) > 1:
-        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
+    memory.engine_memory(args, use_gpu)  # GPU: --engine-memory is a fraction, at most 1
     return use_gpu, resume
 
 

@@ -260,6 +260,8 @@ def engine_memory(args, use_gpu: bool = True) -> float:
     """--engine-memory: the GPU's fraction (default 0.85, colocated 0.4); CPU: KV-cache GiB (1)."""
     if not hasattr(args, "num_engines"):
         return 0.0
+    if use_gpu and (args.engine_memory or 0) > 1:  # the one check of the flag, in check_machine
+        raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     default = (0.4 if getattr(args, "colocate", False) else 0.85) if use_gpu else 1.0
     return args.engine_memory or default
 

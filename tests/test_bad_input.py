@@ -770,3 +770,19 @@ def test_an_adapter_folder_as_model_says_what_to_pass(tmp_path):
     assert (
         str(e.value.code) == f"error: model folder {str(tmp_path / 'empty')!r} has no config.json"
     )
+
+
+@pytest.mark.parametrize("script", RL)
+def test_engine_memory_over_one_gpu_stops_in_check_machine(script, monkeypatch, tmp_path):
+    """On a GPU machine (the layout stood in for) --engine-memory 2 stops before Ray starts, in the
+    scripts' check_machine, with common/memory.py's one line."""
+    from common.errors import InputError
+
+    module = importlib.import_module(script)
+    monkeypatch.setattr(placement, "choose_layout", lambda *a: (True, False))
+    monkeypatch.setattr(module, "choose_dtype", lambda dtype, use_gpu: "bfloat16")
+    args = module.Args(engine_memory=2.0, output_dir=str(tmp_path))
+    with pytest.raises(InputError, match="--engine-memory is a fraction of each GPU's memory"):
+        module.check_machine(args, f"{script}.py")
+    args = module.Args(engine_memory=0.5, output_dir=str(tmp_path))
+    assert module.check_machine(args, f"{script}.py")[0] is True  # a fraction passes

@@ -257,3 +257,21 @@ def test_7b_fits_one_gpu_with_lora_and_full_fine_tuning_is_told_so(
     module.validate_args(args)
     with pytest.raises(SystemExit, match=r"does not fit; it would fit with --lora-rank 16"):
         memory.check_run(args, True, str(tmp_path), True, *paths)
+
+
+def test_engine_memory_is_checked_and_defaulted_in_one_place():
+    """--engine-memory: a fraction of a GPU (over 1 refused in one line, what every RL script's
+    check_machine calls), GiB of KV cache on CPU (any size: check_kv_cache bounds it); defaults
+    0.85, colocated 0.4, CPU 1."""
+    from types import SimpleNamespace
+
+    from common.errors import InputError
+    from common.memory import engine_memory
+
+    flags = SimpleNamespace(num_engines=1, engine_memory=2.0, colocate=False)
+    with pytest.raises(InputError, match="--engine-memory is a fraction of each GPU's memory"):
+        engine_memory(flags, use_gpu=True)
+    assert engine_memory(flags, use_gpu=False) == 2.0
+    for colocate, use_gpu, default in ((False, True, 0.85), (True, True, 0.4), (False, False, 1.0)):
+        flags = SimpleNamespace(num_engines=1, engine_memory=None, colocate=colocate)
+        assert engine_memory(flags, use_gpu) == default
