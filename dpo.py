@@ -44,32 +44,12 @@ from common.lm_head import token_logprobs
 from common.placement import call
 from common.precision import choose_dtype
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch
-from common.tracking import Run
+from common.tracking import Experiment, Run
 from common.trainer import Trainer, load_policy
 
 
 @dataclass
-class Args:
-    # Experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
-    seed: Annotated[int, ">= 0"] = 1
-    """seed of model init, data order and sampling"""
-    track: bool = False
-    """log metrics to Weights & Biases"""
-    wandb_project: str = "posttrain"
-    """the wandb project"""
-    output_dir: str = "runs"
-    """folder for run directories"""
-    resume: str | None = None
-    """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
-    save_every: Annotated[int, ">= 0"] = 0
-    """save a resumable checkpoint every N steps (0: only the final model)"""
-    save_final: bool = True
-    """write checkpoints/final (HF format) at the end; the labs skip it with --no-save-final"""
-    eval_every: Annotated[int, ">= 1"] = 10
-    """evaluate every N steps, and before the first and after the last"""
-
+class Args(Experiment):  # first the flags of common/tracking.py's Experiment (--seed, ...)
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model (also π_ref, the frozen start)"""
@@ -254,12 +234,12 @@ def pair_stats(losses: torch.Tensor, rewards: torch.Tensor) -> dict:
 
 
 def pair_metrics(prefix: str, sums: list[dict], args: Args) -> dict:
-    """Means per pair from the ranks' sums (pair_stats): the loss, the share of pairs whose chosen
-    response has the higher implicit reward, the mean margin and the two rewards (the chosen one
-    should rise, the rejected one fall)."""
+    """Means per pair from the ranks' sums of every stat pair_stats returns, as <prefix>/<name>: the
+    loss, the share of pairs whose chosen response has the higher implicit reward, the mean margin,
+    the two rewards (the chosen one should rise, the rejected one fall)."""
     sums = sums[:: args.sp_size]  # the ranks of an SP group report the same pairs: count them once
     n = sum(s["pairs"] for s in sums)
-    keys = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
+    keys = [k for k in sums[0] if k not in ("pairs", "grad_norm", "lr")]
     return {f"{prefix}/{k}": sum(s[k] for s in sums) / n for k in keys}
 
 

@@ -49,33 +49,13 @@ from common.placement import call, wait_all
 from common.precision import choose_dtype, compute_dtype
 from common.rewards import composed_reward, reward_terms
 from common.ring_attn import shares_per_rank
-from common.tracking import Run
+from common.tracking import Experiment, Run
 from common.trainer import Critic, Trainer, load_model, load_policy
 from common.weight_sync import sync_weights
 
 
 @dataclass
-class Args:
-    # Experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
-    seed: Annotated[int, ">= 0"] = 1
-    """seed of model init, data order and sampling"""
-    track: bool = False
-    """log metrics to Weights & Biases"""
-    wandb_project: str = "posttrain"
-    """the wandb project"""
-    output_dir: str = "runs"
-    """folder for run directories"""
-    resume: str | None = None
-    """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
-    save_every: Annotated[int, ">= 0"] = 0
-    """save a resumable checkpoint every N steps (0: only the final model)"""
-    save_final: bool = True
-    """write checkpoints/final (HF format) at the end; the labs skip it with --no-save-final"""
-    eval_every: Annotated[int, ">= 1"] = 10
-    """evaluate every N steps, and before the first and after the last"""
-
+class Args(Experiment):  # first the flags of common/tracking.py's Experiment (--seed, ...)
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""

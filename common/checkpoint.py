@@ -1,5 +1,4 @@
-"""Checkpoints: step_N/ (an HF model folder, + trainer_state.pt for --resume) and final/, written
-by trainer rank 0 from FSDP2 shards (LoRA: PEFT adapter/, final/ merged too); --resume's checks."""
+"""Checkpoints step_N/, final/ (HF folder + trainer_state.pt; LoRA: adapter/); --resume's checks."""
 
 import argparse
 import contextlib
@@ -33,11 +32,10 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
     if dist.get_rank() == 0:
         if adapters is not None:
             lora.write_adapter(os.path.join(path, lora.ADAPTER), adapters, lora.config_dict(model))
-        if state is not None and adapters is not None:
-            state = lora.merge(state, model)
-        if state is not None and model.config.tie_word_embeddings:  # gathered: one copy
-            state.pop("lm_head.weight", None)
         if state is not None:
+            state = lora.merge(state, model) if adapters is not None else state
+            if model.config.tie_word_embeddings:  # gathered: one copy
+                state.pop("lm_head.weight", None)
             model.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
         if optim:
@@ -78,9 +76,9 @@ def staged(path: str, step: int):
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
-        free = shutil.disk_usage(tmp).free if os.path.isdir(tmp) else None
+        free = shutil.disk_usage(os.path.dirname(path)).free  # checkpoints/: there, unlike tmp
         lifetime.after_end(lambda: shutil.rmtree(tmp, ignore_errors=True))
-        full = "No space left" in str(e) or (free is not None and free < 64 * 2**20)
+        full = "No space left" in str(e) or free < 64 * 2**20
         if full and not isinstance(e, KeyboardInterrupt):
             where = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.dirname(path))))
             raise RunError(f"no space left on the device to save {where} ({free / 2**20:.0f} MiB "
@@ -186,9 +184,8 @@ def find_checkpoint(path: str) -> tuple[str, str, int]:
         newest = max(found, key=lambda name: (found[name], name == "final"))
         resumable = [n for n in found if os.path.isfile(f"{folder}/{n}/trainer_state.pt")]
         if newest not in resumable:
-            older = max(resumable, key=found.get, default=None)
             why = f"its newest checkpoint, {newest} (step {found[newest]}), has no optimizer state"
-            if older is None:
+            if (older := max(resumable, key=found.get, default=None)) is None:
                 raise InputError(f"--resume: {path}: {why} (save with --save-every to resume)")
             redo = f"resuming from {older} would redo steps {found[older] + 1}-{found[newest]}"
             raise InputError(f"--resume: {path}: {why}; {redo} and replace it: pass "

@@ -1,7 +1,6 @@
-"""vLLM generation engines as Ray actors: create, generate, sleep/wake, and the weight-update calls.
-One in-process `vllm.LLM` per Ray actor (TP > 1: its workers are the actor's children): token ids
-in, token ids and their temperature-processed sampling log-probs (what the trainer recomputes) out.
-CPU choices are measured (see docs); eager: CUDA graphs, torch.compile cost a minute of start-up."""
+"""vLLM engines as Ray actors, one in-process `vllm.LLM` each (TP > 1: its workers are the actor's
+children): token ids in, token ids and their temperature-processed sampling log-probs (what the
+trainer recomputes) out. CPU choices are measured (see docs); eager: compiling costs a minute."""
 
 import atexit
 import logging
@@ -76,8 +75,7 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None,
         # Imported in every worker process: registers the checked-* backends (whole updates only)
         weight_transfer_config=WeightTransferConfig(backend=f"checked-{backend}"),
         worker_extension_cls="common.vllm_worker.WorkerExtension",
-        **({"gpu_memory_utilization": memory} if on_gpu else cpu), **(lora or {}),
-    )  # fmt: skip
+        **({"gpu_memory_utilization": memory} if on_gpu else cpu), **(lora or {}))  # fmt: skip
 
 
 @ray.remote
@@ -221,9 +219,8 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
     k, seeds = len(engines), sample_seeds(seed, draw, len(prompts)) if draw is not None else None
     refs = [e.generate.remote(prompts[i::k], n, temperature, top_p, max_tokens,
                               seeds and seeds[i::k]) for i, e in enumerate(engines)]  # fmt: skip
-    outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
     results = [None] * len(prompts)
-    for i, out in enumerate(outs):
+    for i, out in enumerate(wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")):
         results[i::k] = out
     return results
 

@@ -89,7 +89,8 @@ def parse_args(args_cls, argv: list[str] | None = None):
         _check_number(flag, kinds[flag], value)
     for name, rule in flag_ranges(args_cls).items() if {"-h", "--help"} & set(argv) else ():
         hint = tyro.conf.arg(help_behavior_hint=lambda d, r=rule: f"(default: {d}; {r})")
-        args_cls.__annotations__[name] = typing.Annotated[args_cls.__annotations__[name], hint]
+        owner = next(c for c in args_cls.__mro__ if name in vars(c).get("__annotations__", {}))
+        owner.__annotations__[name] = typing.Annotated[owner.__annotations__[name], hint]
     args = tyro.cli(args_cls, args=argv)
     from common import checkpoint  # it imports this module
 
@@ -105,7 +106,7 @@ def no_flag(flag: str, kinds: dict, script: str) -> str:
     """The line for a flag `script` lacks: the scripts that have it (Args read as text) and why not
     here where its Args say (`# ... no --flag: why`); else the closest of its own."""
     args_text = lambda path: pathlib.Path(path).read_text(errors="replace").partition(  # noqa: E731
-        "\nclass Args:")[2].partition("\n\n\n")[0]  # fmt: skip
+        "\nclass Args")[2].partition("\n\n\n")[0]  # fmt: skip
     name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag[2:]
     field = re.compile(rf"^    {name.replace('-', '_')}: ", re.M)
     have = [s for s in sorted(os.listdir(REPO), key=lambda s: (s != "grpo.py", s))  # parent first

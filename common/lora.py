@@ -1,9 +1,8 @@
 """LoRA (Hu et al. 2021, arXiv 2106.09685): train low-rank adapters on a frozen base model,
     W' = W + (α / r) B A,      A (r x in) random, B (out x r) zero at the start,
 so a run starts at the base model and trains r (in + out) numbers per matrix, not in x out. PEFT's
-layers go in before FSDP2 shards the model; only they (and a new head) train, the base keeps the
-training dtype: no gradient, no AdamW state. π_ref: adapters off (`Disabled`). Checkpoints: PEFT's
-`adapter/` folder. Engines get adapters (weight_sync.py) or merged weights (--lora-merge-sync)."""
+layers go in before FSDP2 shards; they (and a new head) train, the base keeps the training dtype: no
+gradient, no AdamW state. π_ref: adapters off (`Disabled`). Engines: adapters or merged weights."""
 
 import copy
 import json
@@ -54,13 +53,11 @@ def check_model(args, model_path: str, head: str = "lm") -> None:
     auto_cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
     with torch.device("meta"):
         model = auto_cls.from_config(config)
-    layers = getattr(model.base_model, "layers", None)
-    if layers is None:
+    if (layers := getattr(model.base_model, "layers", None)) is None:
         raise InputError(f"--lora-rank: {args.model} has no decoder layers at .layers")
     linear = {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules()
               if isinstance(m, torch.nn.Linear)}  # fmt: skip
-    missing = [t for t in targets(args) if t not in linear]
-    if missing:
+    if missing := [t for t in targets(args) if t not in linear]:
         have = ", ".join(sorted(linear))
         raise InputError(f"--lora-target-modules: {args.model} has no linear layer {missing[0]!r} "
                          f"in its decoder layers (they have: {have})")  # fmt: skip
@@ -189,8 +186,7 @@ def config_dict(model) -> dict:
 
 def merge(state: dict, model) -> dict:
     """A full state dict with adapters -> the merged model's, in HF names: W <- W + (α / r) B A."""
-    scale = {name: m.scaling["default"] for name, m in lora_layers(model).items()}
-    merged = {}
+    scale, merged = {name: m.scaling["default"] for name, m in lora_layers(model).items()}, {}
     for name, tensor in state.items():
         if ".lora_" in name:
             continue

@@ -1,6 +1,5 @@
 """Ray placement: start Ray, reserve bundles, place actors on them, join trainers in a torch group.
-A job's placement group gets all its bundles (its GPUs + 1 CPU; on CPU one logical CPU, a scheduling
-token, not a core) or waits, never deadlocked half-placed. `Layout` says which actor sits where."""
+A job's placement group (`Layout`) gets all its bundles or waits, never deadlocked half-placed."""
 
 import atexit
 import math
@@ -59,8 +58,7 @@ def choose_layout(split: int, colocated: int | None, colocate: bool, why_apart="
 
 
 def init_ray(num_bundles: int = 0) -> None:
-    """Start a private local Ray with room for `num_bundles` bundles, or join the cluster at
-    $RAY_ADDRESS; say which, and name Ray processes alive here before this run (their memory)."""
+    """Start a private local Ray for `num_bundles` bundles, or join the cluster at $RAY_ADDRESS."""
     if ray.is_initialized():
         return
     if "RAY_ADDRESS" not in os.environ and (alive := lifetime.other_ray_processes()):

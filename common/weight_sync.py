@@ -5,10 +5,9 @@
     ipc      colocated: a trainer rank, an engine per GPU  CUDA IPC handles to the trainer's tensors
     gloo     CPU                                           gloo broadcast (common/vllm_worker.py)
 
-Each trainer rank calls `init_weight_sync` once, `.push()` after each optimizer step (all gather
-full tensors, rank 0 drives the engines). No silent stale or half-loaded weights: engines refuse an
-update missing one, `.check()` compares their log-probs of a probe text to the trainer's. LoRA:
-adapters only (--lora-merge-sync: merged). vLLM is imported lazily (the driver loads this too)."""
+Each trainer rank calls `init_weight_sync` once, `.push()` after each optimizer step. No silent
+stale or half-loaded weights: engines refuse an update missing one, `.check()` compares their
+log-probs of a probe text to the trainer's. vLLM is imported lazily (the driver loads this too)."""
 
 import ray
 import torch
@@ -104,8 +103,7 @@ class WeightSync:
 
     def push(self) -> int:
         """Send; returns the bytes each engine receives (perf/sync_bytes)."""
-        on_cuda = torch.cuda.is_available()
-        if on_cuda:  # vLLM gathers and packs on streams of its own: the optimizer step lands first
+        if on_cuda := torch.cuda.is_available():  # vLLM reads on its own streams: finish the step
             torch.cuda.synchronize()
         self.transfer.send_weights()
         if on_cuda and self.colocated:  # free the gathered copies: the KV cache wakes next
@@ -131,8 +129,7 @@ class WeightSync:
             return None
         client, gap = self.transfer.client, 0.0
         for i, theirs in enumerate(client.prompt_logprobs(self.probe)):
-            diff = (torch.tensor(theirs) - mine).abs().mean().item()
-            gap = max(gap, diff)
+            gap = max(gap, diff := (torch.tensor(theirs) - mine).abs().mean().item())
             if not diff <= self.tolerance:  # NaN fails too
                 name = f"{actor_name(client.engines[i])}#{i}"
                 raise RuntimeError(f"{name} does not serve the weights just pushed: its "

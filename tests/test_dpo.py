@@ -167,3 +167,15 @@ def test_compute_loss_from_sequence_logprobs():
     torch.testing.assert_close(losses, torch.tensor([softplus(-1.0), softplus(0.25)]))
     torch.testing.assert_close(rewards, 0.5 * (logprobs - ref))
     assert not rewards.requires_grad
+
+
+def test_every_pair_stat_is_logged_as_its_mean_per_pair():
+    """pair_metrics: each stat pair_stats returns (a variant's new one too) is <prefix>/<name>, its
+    mean over the pairs of every data-parallel rank (an SP group's ranks counted once); the
+    update's grad norm and lr are not pair stats."""
+    ranks = [{"loss": 1.0, "accuracy": 2.0, "my_stat": 3.0, "pairs": 4, "grad_norm": 9.0, "lr": 1.0},
+             {"loss": 3.0, "accuracy": 0.0, "my_stat": 1.0, "pairs": 4, "grad_norm": 9.0, "lr": 1.0}]  # fmt: skip
+    assert dpo.pair_metrics("train", ranks, dpo.Args()) == {
+        "train/loss": 0.5, "train/accuracy": 0.25, "train/my_stat": 0.5}  # fmt: skip
+    assert dpo.pair_metrics("eval", ranks, dpo.Args(sp_size=2, num_trainers=2)) == {
+        "eval/loss": 0.25, "eval/accuracy": 0.5, "eval/my_stat": 0.75}  # fmt: skip

@@ -337,6 +337,20 @@ def test_a_full_disk_stops_a_save_cleanly_and_the_run_resumes_after(tiny_model, 
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def test_a_full_disk_is_named_even_when_the_partial_folder_is_already_gone(tmp_path):
+    """staged's full-disk line measures the free space where the checkpoints go, not in the partial
+    folder, which may be gone when the error arrives (it was a TypeError then, not the line)."""
+    from common.errors import RunError
+
+    path = tmp_path / "checkpoints" / "step_3"
+    path.parent.mkdir()
+    with pytest.raises(RunError, match=r"no space left on the device to save .*step_3 \(\d+ MiB"):
+        with checkpoint.staged(str(path), 3) as folder:
+            os.rmdir(folder)
+            raise OSError(28, "No space left on device")
+    assert not path.exists()
+
+
 def test_a_checkpoint_killed_while_it_is_written_is_absent_not_partial(tmp_path, tiny_model):
     """checkpoint.staged (every script's saves, ppo.py's policy + critic + β in one): a SIGKILL after
     some of the parts were written leaves no step folder; --resume finds the previous whole one, and

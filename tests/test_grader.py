@@ -78,7 +78,7 @@ def test_broken_scripts_end_in_one_line_each(tmp_path):
     """Lab 03's grader on one script per failure class: no __main__ guard, a hang at import, an
     error and a syntax error at import, a check that never returns, a missing function, a run dir
     that is wrong in four ways; and the unchanged parent fails exactly the two checks it should."""
-    before_args = "@dataclass\nclass Args:"
+    before_args = "@dataclass\nclass Args("
     no_guard = variant("grpo.py", tmp_path / "no_guard.py", guard=False)
     hang = variant(
         "grpo.py",
