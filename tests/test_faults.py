@@ -163,7 +163,11 @@ def test_a_signal_ends_the_run_with_one_last_line(
     if script == "sft.py":
         common = ("--batch-size", "4", "--eval-every", "100")
     elif not when:  # the reward file's import sleeps: the driver is busy before Ray starts
-        (tmp_path / "slow.py").write_text("import time\ntime.sleep(300)\ndef r(a, b): return 0.0\n")
+        marker = tmp_path / "importing"  # written when the driver imports it: signal it there
+        (tmp_path / "slow.py").write_text(
+            f"import pathlib, time\npathlib.Path({str(marker)!r})"
+            ".touch()\ntime.sleep(300)\ndef r(a, b): return 0.0\n"
+        )
         common, flags = FLAGS, (*flags, "--reward-fn", f"{tmp_path / 'slow.py'}:r")
     elif script == "ppo.py":  # it samples --samples-per-prompt responses
         common = tuple(f.replace("num-generations", "samples-per-prompt") for f in FLAGS)
@@ -172,8 +176,10 @@ def test_a_signal_ends_the_run_with_one_last_line(
     run = Run(tiny_model, tmp_path / "runs", *flags, script=script, common=common)
     if when:
         run.wait_for(when)
-    else:
-        time.sleep(8)  # the imports, then the sleeping reward file
+    else:  # the imports (slow on a loaded machine), then the sleeping reward file
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "importing").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
     if everyone:
         os.killpg(run.proc.pid, sig)
     else:
