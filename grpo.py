@@ -295,8 +295,8 @@ def train_metrics(results: list[dict], args: Args) -> dict:
     Every per-token stat of the update (compute_loss's, train/entropy) is logged as its mean."""
     total, sums = defaultdict(float), defaultdict(float)
     for rank in results:
-        for key in ("loss", "tokens", "logprob_diff_sum"):
-            total[key] += rank[key]
+        for key in ("loss", "tokens", "logprob_diff_sum"):  # no diff: a rank of fillers only
+            total[key] += rank.get(key, 0.0)
         for key, value in rank["token_sums"].items():
             sums[key] += value
     updates = args.num_minibatches * args.num_epochs  # each update's loss is a mean: average them
