@@ -26,7 +26,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal
 
 import ray
 import torch
@@ -35,13 +35,13 @@ from transformers import AutoTokenizer
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, lora, memory, models, placement, tracking, weight_sync
-from common.data import response_values
+from common.data import Prompt, batch_rows, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.placement import call
 from common.precision import choose_dtype
-from common.rewards import composed_reward, reward_terms
+from common.rewards import composed_reward, reward_terms, score_responses
 from common.tracking import Experiment, Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
@@ -344,47 +344,6 @@ def time_metrics(times: tuple, generated_tokens: int, trained_tokens: int) -> di
 
 
 # TRY NOT TO MODIFY: the data plumbing the loop and the actor share.
-def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
-    """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
-
-    A pure function of the step, so --resume replays exactly the order an uninterrupted run would
-    have seen.
-    """
-    rows = []
-    for pos in range(step * batch_size, (step + 1) * batch_size):
-        epoch, i = divmod(pos, num_rows)
-        epoch_seed = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        rows.append(int(torch.randperm(num_rows, generator=epoch_seed)[i]))
-    return rows
-
-
-class Prompt(NamedTuple):
-    """A dataset prompt: its token ids, reference answer, text as written, and row (from 1) in its
-    file."""
-
-    ids: list[int]
-    answer: str
-    text: str | list
-    row: int
-
-
-def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
-    """One training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
-
-    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that
-    predict response tokens, so they line up with what compute_logprobs (and ppo.py's
-    compute_values) return for the masked positions; in the update, `response_values` reads them
-    back as (N,) tensors, one per name.
-    """
-    ids = prompt + response
-    pad = [0.0] * (len(prompt) - 1)
-    mask = [0] * (len(prompt) - 1) + [1] * len(response) + [0]
-    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask}
-    for key, values in per_response.items():
-        seq[key] = pad + list(values) + [0.0]
-    return seq
-
-
 # ALGO LOGIC: the update, run on every trainer rank (common/trainer.py's shell holds the model, the
 # frozen π_ref and the optimizer): π_θold, π_ref, the loss, backward, the stats.
 def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
@@ -456,6 +415,7 @@ def main(args: Args):
     run = Run(args, run_dir, resume_step)
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  G: {G}")
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
+    timeout = args.reward_timeout  # seconds one reward call may take
 
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
@@ -463,7 +423,7 @@ def main(args: Args):
         ids = [p.ids for p in prompts["eval"]]
         outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
         where = f"eval at step {step}"
-        _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, args)
+        _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, timeout)
         return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's alone
 
     # the console line: the reward, the loss and every per-token stat of the update, eval, time
@@ -492,7 +452,7 @@ def main(args: Args):
         batch = [train[i] for i in batch_rows(draw, len(train), args.prompts_per_step, args.seed)]
         ids, where = [p.ids for p in batch], f"step {step + 1}"
         outs = generate(engines, ids, n=G, temperature=args.temperature, draw=draw, **sampling)
-        texts, scores, parts = score_responses(terms, batch, outs, tokenizer, where, args)
+        texts, scores, parts = score_responses(terms, batch, outs, tokenizer, where, timeout)
         penalties = [overlong_penalty(len(s["token_ids"]), args) for group in outs for s in group]
         texts = [texts[i * G : (i + 1) * G] for i in range(len(batch))]
         parts = [{n: v[i * G : (i + 1) * G] for n, v in parts.items()} for i in range(len(batch))]
@@ -572,18 +532,6 @@ def main(args: Args):
 
 
 # TRY NOT TO MODIFY: the loop's plumbing.
-def score_responses(terms: dict, batch: list, outs: list, tokenizer, where: str, args: Args):
-    """Decode every response and score it against its prompt's answer with the reward's terms:
-    (texts, (B*n,) rewards, {term: (B*n,) values}), prompt-major. A reward function that raises,
-    hangs or returns a non-number stops the run, naming the prompt row and sample."""
-    n = len(outs[0])
-    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
-    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
-    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
-    rewards, parts = composed_reward(terms, pairs, where, args.reward_timeout, labels)
-    return texts, torch.tensor(rewards), {name: torch.tensor(v) for name, v in parts.items()}
-
-
 def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list[list[dict]]]:
     """The step's (prompt, response, token values) in a seeded shuffle, dealt into --num-minibatches
     minibatches; each gets its loss weights (loss_weights: the aggregation) and is packed for the

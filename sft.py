@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
+from common.data import batch_rows
 from common.errors import InputError, check_ranges, parse_args
 from common.lm_head import token_logprobs
 from common.placement import call
@@ -174,20 +175,6 @@ def time_metrics(elapsed: float, batch: list[dict]) -> dict:
 
 
 # TRY NOT TO MODIFY: the data plumbing and greedy generation.
-def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
-    """Row indices of global step `step`: the data in a fresh seeded permutation every epoch.
-
-    A pure function of the step, so --resume replays exactly the order an uninterrupted run would
-    have seen.
-    """
-    rows = []
-    for pos in range(step * batch_size, (step + 1) * batch_size):
-        epoch, i = divmod(pos, num_rows)
-        epoch_seed = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        rows.append(int(torch.randperm(num_rows, generator=epoch_seed)[i]))
-    return rows
-
-
 def make_sequence(ids: list[int], mask: list[int]) -> dict[str, list]:
     """Shift once, here: position t predicts labels[t] = ids[t+1], trained iff token t+1 is an
     assistant token."""

@@ -65,8 +65,7 @@ class AsyncEngine:
     def _request(self, token_ids: list[int]):
         """A prompt through AsyncLLM's renderer, salted by weight version: no stale prefix cache."""
         prompt = {"prompt_token_ids": token_ids, "cache_salt": f"v{self.version}"}
-        (request,) = self.llm.renderer.render_cmpl([prompt])
-        return request
+        return self.llm.renderer.render_cmpl([prompt])[0]  # one prompt in, one request out
 
     # The weight-transfer protocol; the update happens between start (pause) and finish (resume).
     async def init_weight_transfer_engine(self, init_info: dict):

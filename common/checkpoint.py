@@ -134,10 +134,8 @@ def keep_run_settings(args, given: set[str], script: str) -> None:
         setattr(args, name, saved[name])
 
     def shown(name, value):  # as a command line gives it: --lr 0.001, --no-save-final
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            return flag if value else "--no-" + flag[2:]
-        return f"{flag} {value}"
+        flag = ("--no-" if value is False else "--") + name.replace("_", "-")
+        return flag if isinstance(value, bool) else f"{flag} {value}"
 
     norm = lambda v: set(map(str.strip, v.split(","))) if isinstance(v, str) else v  # noqa: E731
     was = lambda n: shown(n, saved[n]) if isinstance(saved[n], bool) else saved[n]  # noqa: E731

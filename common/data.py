@@ -5,6 +5,7 @@ import importlib.util
 import json
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -220,6 +221,40 @@ def check_batch(batch: int, available: int, flag: str, source: str, what: str) -
     if batch > available:
         why = f"a step would repeat {what}; use at most {available}"
         raise InputError(f"{flag} {batch} is more than the {available} {what} of {source}: {why}")
+
+
+def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of global step `step`: the data in a fresh seeded permutation every epoch. A pure
+    function of the step, so --resume replays exactly the order an uninterrupted run would see."""
+    rows = []
+    for pos in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(pos, num_rows)
+        epoch_seed = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        rows.append(int(torch.randperm(num_rows, generator=epoch_seed)[i]))
+    return rows
+
+
+class Prompt(NamedTuple):
+    """An RL prompt: token ids, reference answer, text as written, row in its file (from 1)."""
+
+    ids: list[int]
+    answer: str
+    text: str | list
+    row: int
+
+
+def make_sequence(prompt: list[int], response: list[int], **per_response) -> dict[str, list]:
+    """One RL training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
+    Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that
+    predict response tokens, lined up with what compute_logprobs (ppo.py: compute_values) returns
+    for the masked positions; in the update, `response_values` reads them back, (N,) by name."""
+    ids = prompt + response
+    pad = [0.0] * (len(prompt) - 1)
+    mask = [0] * (len(prompt) - 1) + [1] * len(response) + [0]
+    seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask}
+    for key, values in per_response.items():
+        seq[key] = pad + list(values) + [0.0]
+    return seq
 
 
 def response_values(mb: dict, *names: str) -> dict:

@@ -20,14 +20,13 @@ from common.placement import Slot, wait_all, wait_started
 #     VLLM_LOGGING_CONFIG_PATH= VLLM_LOGGING_LEVEL=INFO python grpo.py ...
 LOGGING_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_logging.json")
 QUIET = {"VLLM_LOGGING_CONFIG_PATH": LOGGING_CONFIG, "PYTHONWARNINGS": "ignore::FutureWarning"}
-QUIET["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+# Both: the engine core in the actor's process (fast, no /dev/shm); vLLM and torch quiet
+GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 CPU_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the actor's process: fast, no /dev/shm
+    **GPU_ENV,
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores that the trainer ranks also use
     "OMP_NUM_THREADS": str(os.cpu_count() or 1),  # trainers and engines take turns: all cores each
-    **QUIET,
 }
-GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET}
 KV_BLOCK = 128  # tokens: vLLM's CPU KV cache comes in blocks of this many
 
 

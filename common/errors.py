@@ -54,8 +54,7 @@ def check_ranges(args) -> None:
             raise InputError(f"{flag} must be a finite number (got {value})")
         if isinstance(value, int) and abs(value) > INT_MAX:
             raise InputError(f"{flag} must be at most {INT_MAX} (got {value})")
-        for part in rule.split(","):
-            op, bound = part.split()
+        for op, bound in (part.split() for part in rule.split(",")):
             if not RULES[op](value, float(bound)):
                 raise InputError(f"{flag} must be {rule} (got {value})")
 
@@ -72,12 +71,10 @@ def parse_args(args_cls, argv: list[str] | None = None):
     hints = typing.get_type_hints(args_cls)
     kinds = {"--" + f.name.replace("_", "-"): hints[f.name] for f in dataclasses.fields(args_cls)}
     kinds |= {"--no-" + flag[2:]: bool for flag, kind in kinds.items() if kind is bool}
-    i = 0
-    while i < len(argv):
-        flag, eq, value = argv[i].partition("=")
-        i += 1
+    for i, arg in enumerate(argv, 1):  # argv[i]: the one after arg
+        flag, eq, value = arg.partition("=")
         if not flag.startswith("--") or flag == "--help":
-            continue  # -h, --help and anything else: tyro's
+            continue  # -h, --help, a flag's value (never --...) and anything else: tyro's
         if flag not in kinds:
             raise InputError(no_flag(flag, kinds, me))
         if kinds[flag] is bool:
@@ -85,7 +82,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if not eq:
             if i == len(argv) or argv[i].startswith("--"):
                 raise InputError(f"{flag} needs a value")
-            value, i = argv[i], i + 1
+            value = argv[i]
         _check_number(flag, kinds[flag], value)
     for name, rule in flag_ranges(args_cls).items() if {"-h", "--help"} & set(argv) else ():
         hint = tyro.conf.arg(help_behavior_hint=lambda d, r=rule: f"(default: {d}; {r})")
@@ -123,11 +120,9 @@ def no_flag(flag: str, kinds: dict, script: str) -> str:
 
 def _check_number(flag: str, kind, value: str) -> None:
     """A flag's value: the int or float its type says (None where allowed) or a Literal choice."""
-    if typing.get_origin(kind) is typing.Literal:
-        if value not in (choices := typing.get_args(kind)):
-            raise InputError(f"{flag} takes one of {', '.join(choices)} (got {value!r})")
-        return
-    types = typing.get_args(kind) or (kind,)
+    types = typing.get_args(kind) or (kind,)  # a Literal's: its choices
+    if typing.get_origin(kind) is typing.Literal and value not in types:
+        raise InputError(f"{flag} takes one of {', '.join(types)} (got {value!r})")
     if value == "None" and type(None) in types:
         return
     for number, what in ((int, "an integer"), (float, "a number")):

@@ -1,15 +1,13 @@
-"""How a run's processes end whatever ends the driver (even SIGKILL); a cluster join never hangs.
-After the driver a watchdog ends those here seen below it (a private Ray's) or marked POSTTRAIN_RUN
-(its actors, no other job's); end_ray() at exit awaits them, then after_end()'s work."""
+"""How a run's processes end whatever ends the driver (even SIGKILL): after the driver a watchdog
+ends those here seen below it (a private Ray's) or marked POSTTRAIN_RUN (its actors, no other
+job's); end_ray() at exit awaits them, then after_end()'s work."""
 
 import contextlib
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -115,39 +113,6 @@ def stop_now(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)  # not Ray's exit hook: its instance is gone, its shutdown would wait on it
-
-
-def join_cluster(address: str, where: str, opts: dict) -> None:
-    """ray.init(address), or one line: nothing listens (a 5 s TCP check), no token, or no answer
-    within $POSTTRAIN_JOIN_TIMEOUT s (30; Ray's own connect would retry for minutes)."""
-    import ray
-
-    from common.errors import InputError  # common.errors imports this module
-
-    host, _, port = address.split("://")[-1].rpartition(":")
-    if host and port.isdigit():
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except OSError as e:
-            why = f"nothing answers at {host}:{port} ({e.strerror or e}): is its head node up"
-            raise InputError(f"could not join {where}: {why} (`ray start --head`)?") from None
-    limit = float(os.environ.get("POSTTRAIN_JOIN_TIMEOUT", 30))
-
-    def too_long():
-        why = (f"no answer within {limit:g} s ($POSTTRAIN_JOIN_TIMEOUT): is it a Ray head's "
-               "GCS port?")  # fmt: skip
-        print(f"error: could not join {where}: {why}", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    (timer := threading.Timer(limit, too_long)).start()
-    try:
-        ray.init(address=address, **opts)
-    except (ConnectionError, RuntimeError) as e:
-        auth = "Authentication" in repr(e.__cause__) and os.getenv("RAY_AUTH_MODE") != "token"
-        hint = "; it wants its token: set RAY_AUTH_MODE=token" if auth else ""  # sent only if told
-        raise InputError(f"could not join {where}: {str(e).splitlines()[0]}{hint}") from None
-    finally:
-        timer.cancel()
 
 
 if __name__ == "__main__":  # the watchdog: wait for the driver's end, then end the run's processes

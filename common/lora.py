@@ -163,9 +163,8 @@ def adapter_tensors(model, dtype=None) -> dict:
     out = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            full = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()
             key = PREFIX + name.replace(".default.", ".")  # its key in adapter_model.safetensors
-            out[key] = full.to("cpu", dtype or full.dtype, copy=True)  # own copy, not an FSDP2 view
+            out[key] = full_tensor(param).to("cpu", dtype, copy=True)  # own copy, not an FSDP2 view
     return out
 
 
@@ -186,39 +185,31 @@ def config_dict(model) -> dict:
 
 def merge(state: dict, model) -> dict:
     """A full state dict with adapters -> the merged model's, in HF names: W <- W + (α / r) B A."""
-    scale, merged = {name: m.scaling["default"] for name, m in lora_layers(model).items()}, {}
-    for name, tensor in state.items():
-        if ".lora_" in name:
-            continue
-        owner, _, leaf = name.rpartition(".base_layer.")
-        if owner and leaf == "weight":
-            a, b = state[f"{owner}.lora_A.default.weight"], state[f"{owner}.lora_B.default.weight"]
-            tensor = (tensor.float() + scale[owner] * (b.float() @ a.float())).to(tensor.dtype)
-        merged[name.replace(".base_layer.", ".")] = tensor
-    return merged
-
-
-def lora_layers(model) -> dict:
-    from peft.tuners.lora import LoraLayer
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    return dict(merged(state, state.__getitem__, model))
 
 
 def merged_parameters(model, dtype):
     """(HF name, merged `dtype` tensor) for --lora-merge-sync; all ranks iterate (collectives)."""
-    layers = lora_layers(model)
+    params = dict(model.named_parameters())
+    return merged(params, lambda name: full_tensor(params[name]), model, dtype)
 
-    def full(param):
-        param = param.detach()
-        return param.full_tensor() if hasattr(param, "full_tensor") else param
 
-    for name, param in model.named_parameters():
+def merged(names, get, model, dtype=None):
+    """(HF name, W + (α / r) B A, or W) for each weight in `names` but the adapters', `get` reading
+    one by name, in `dtype` (None: W's own)."""
+    for name in names:
         if ".lora_" in name:
             continue
-        tensor = full(param)
+        tensor = weight = get(name)
         owner, _, leaf = name.rpartition(".base_layer.")
         if owner and leaf == "weight":
-            layer = layers[owner]
-            a, b = full(layer.lora_A["default"].weight), full(layer.lora_B["default"].weight)
-            tensor = tensor.float() + layer.scaling["default"] * (b.float() @ a.float())
-        yield name.replace(".base_layer.", "."), tensor.to(dtype)
+            a, b = get(f"{owner}.lora_A.default.weight"), get(f"{owner}.lora_B.default.weight")
+            scale = model.get_submodule(owner).scaling["default"]  # α / r of this LoRA layer
+            tensor = weight.float() + scale * (b.float() @ a.float())
+        yield name.replace(".base_layer.", "."), tensor.to(dtype or weight.dtype)
+
+
+def full_tensor(param):
+    """`param` detached, whole: an FSDP2 shard is all-gathered (a collective)."""
+    param = param.detach()
+    return param.full_tensor() if hasattr(param, "full_tensor") else param

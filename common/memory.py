@@ -57,12 +57,10 @@ def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
                if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets]  # fmt: skip
     adapters = sum(rank * (m.in_features + m.out_features) for m in adapted)
     adapters += hidden if rank and head != "lm" else 0
-    return Shape(
-        params=params, layer=max(layers), root=params - sum(layers), layers=len(layers),
-        hidden=hidden, intermediate=getattr(text, "intermediate_size", 4 * hidden),
-        kv=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
-        adapters=adapters,
-    )  # fmt: skip
+    return Shape(params=params, layer=max(layers), root=params - sum(layers), layers=len(layers),
+                 hidden=hidden, intermediate=getattr(text, "intermediate_size", 4 * hidden),
+                 kv=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
+                 adapters=adapters)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -97,12 +95,11 @@ def activations(s: Shape, tokens: int, checkpointing: bool, b: int = 2) -> float
 def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype: str) -> tuple:
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
     b, short = BYTES[dtype], SHORT[dtype]  # the compute dtype's bytes per value, its short name
-    idle = {"weights + AdamW": 12 * s.params / ranks}  # the gradients are freed after each step
-    busy = {"weights + grads + AdamW": 16 * s.params / ranks}
-    if s.adapters:  # LoRA: a frozen base in the compute dtype; the adapters (and head) in fp32
-        base = {f"frozen {short} base": b * s.params / ranks}
-        idle = {**base, "adapters + AdamW": 12 * s.adapters / ranks}
-        busy = {**base, "adapters + grads + AdamW": 16 * s.adapters / ranks}
+    # LoRA: a frozen base in the compute dtype; the adapters (and head) in fp32
+    base = {f"frozen {short} base": b * s.params / ranks} if s.adapters else {}
+    trained, count = ("adapters", s.adapters) if s.adapters else ("weights", s.params)
+    idle = {**base, f"{trained} + AdamW": 12 * count / ranks}  # grads: freed after each step
+    busy = {**base, f"{trained} + grads + AdamW": 16 * count / ranks}
     # two decoder layers (in use, prefetched) and the root gathered, with their grads if trained
     busy[f"gathered {short} layers"] = b * (1 + (not s.adapters)) * (2 * s.layer + s.root)
     busy["activations"] = activations(s, tokens, ckpt, b)
@@ -117,30 +114,22 @@ def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
     idle, busy = trainer(job.policy, job.trainers, tokens, ckpt, job.lm_head, job.dtype)
     ref = {"reference": 4 * job.policy.params / job.trainers} if job.reference else {}
     engine = {"vLLM (weights + KV cache)": job.engine_memory * capacity} if job.engines else {}
-    critic_idle, critic_busy = {}, {}
-    if job.critic is not None:
-        parts = trainer(job.critic, job.critics, tokens, ckpt, 0, job.dtype)
-        critic_idle, critic_busy = ({f"critic {k}": v for k, v in p.items()} for p in parts)
+    parts = trainer(job.critic, job.critics, tokens, ckpt, 0, job.dtype) if job.critic else ({}, {})
+    critic_idle, critic_busy = ({f"critic {k}": v for k, v in p.items()} for p in parts)
     rm = {"reward model": BYTES[job.dtype] * job.reward_model.params} if job.reward_model else {}
 
-    if not job.colocate:
+    if not job.colocate:  # a GPU of each kind the job has (a kind it lacks: no parts)
         ctx = {"CUDA contexts": CONTEXT}
-        rows = [("trainer GPU", "training", {**ctx, **busy, **ref})]
-        if job.critic is not None:
-            rows.append(("critic GPU", "training", {**ctx, **critic_busy}))
-        if job.engines:
-            rows.append(("engine GPU", "generating", {**ctx, **engine}))
-        if rm:
-            rows.append(("reward-model GPU", "scoring", {**ctx, **rm}))
-        return rows
+        rows = [("trainer GPU", "training", {**busy, **ref}),
+                ("critic GPU", "training", critic_busy), ("engine GPU", "generating", engine),
+                ("reward-model GPU", "scoring", rm)]  # fmt: skip
+        return [(gpu, phase, {**ctx, **parts}) for gpu, phase, parts in rows if parts]
     # Colocated (hybrid engine): every model on GPU 0, taking turns; phases differ in what is held.
     processes = 1 + bool(job.engines) + (job.critic is not None) + bool(rm)
     ctx = {"CUDA contexts": processes * CONTEXT}
     parked = {} if job.offload else {**critic_idle, **rm}  # offloaded: in host RAM until needed
-    rows = [
-        ("GPU 0", "generating", {**ctx, **engine, **idle, **ref, **parked}),
-        ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked}),
-    ]
+    rows = [("GPU 0", "generating", {**ctx, **engine, **idle, **ref, **parked}),
+            ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked})]  # fmt: skip
     if job.critic is not None:  # the reward model waits on the GPU unless offloaded to host RAM
         critic = {**ctx, **idle, **ref, **critic_busy, **({} if job.offload else rm)}
         rows.append(("GPU 0", "training the critic", critic))

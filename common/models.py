@@ -21,9 +21,7 @@ def resolve_model(name: str) -> str:
     if name == BUILTIN_MODEL:
         return _builtin_model_dir()
     if os.path.isdir(expanded := os.path.expanduser(name)):
-        if not os.path.isfile(os.path.join(expanded, "config.json")):
-            raise InputError(not_a_model(name, expanded, "model folder"))
-        return os.path.abspath(expanded)
+        return model_folder(name, os.path.abspath(expanded), "model folder")
     path_like = os.path.isabs(expanded) or name.startswith((".", "~")) or name.count("/") > 1
     if path_like or os.path.exists(expanded):
         instead = f"pass a local HF folder, a hub id or {BUILTIN_MODEL!r}"
@@ -38,18 +36,19 @@ def resolve_model(name: str) -> str:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         where = "is not a local folder and could not be fetched from the hub"
         raise InputError(f"model {name!r} {where}: {why}") from None
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise InputError(not_a_model(name, path, "hub model"))
-    return path
+    return model_folder(name, path, "hub model")
 
 
-def not_a_model(name: str, folder: str, what: str) -> str:
-    """Why `folder` (no config.json) is not a model; a PEFT adapter folder (ours: in adapter/)."""
+def model_folder(name: str, folder: str, what: str) -> str:
+    """`folder` if it has config.json, else why not: a PEFT adapter folder (ours: in adapter/)?"""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
     if any(os.path.isfile(f"{folder}/{sub}adapter_config.json") for sub in ("", "adapter/")):
-        return (f"--model {name!r} holds LoRA adapters (PEFT's adapter_config.json), not a "
-                "model: a LoRA run's merged model is its checkpoints/final; to go on training the "
-                "adapters, --resume the run (with --model its base)")  # fmt: skip
-    return f"{what} {name!r} has no config.json"
+        raise InputError(f"--model {name!r} holds LoRA adapters (PEFT's adapter_config.json), not "
+                         "a model: a LoRA run's merged model is its checkpoints/final; to go on "
+                         "training the adapters, --resume the run "
+                         "(with --model its base)")  # fmt: skip
+    raise InputError(f"{what} {name!r} has no config.json")
 
 
 def _builtin_model_dir() -> str:

@@ -1,11 +1,14 @@
-"""Ray placement: start Ray, reserve bundles, place actors on them, join trainers in a torch group.
-A job's placement group (`Layout`) gets all its bundles or waits, never deadlocked half-placed."""
+"""Ray placement: start Ray (joining a cluster never hangs), reserve bundles, place actors on
+them, join trainers in a torch group. A job's placement group (`Layout`) gets all its bundles or
+waits, never deadlocked half-placed."""
 
 import atexit
 import math
 import os
 import random
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -74,7 +77,7 @@ def init_ray(num_bundles: int = 0) -> None:
     opts = dict(runtime_env={"env_vars": env}, logging_level="ERROR")
     if "RAY_ADDRESS" in os.environ:  # a cluster, joined on purpose
         where = f"the Ray cluster at {os.environ['RAY_ADDRESS']} ($RAY_ADDRESS)"
-        lifetime.join_cluster(os.environ["RAY_ADDRESS"], where, opts)
+        join_cluster(os.environ["RAY_ADDRESS"], where, opts)
     else:  # a private instance, also when someone's `ray start` runs on this machine
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token: it is ours alone
         num_cpus = max(os.cpu_count() or 1, num_bundles + 1)  # scheduling tokens, not cores
@@ -84,6 +87,34 @@ def init_ray(num_bundles: int = 0) -> None:
     atexit.register(lifetime.end_ray)  # before Ray's own exit hook: stop it, wait for the processes
     nodes, gpus = len(ray.nodes()), int(ray.cluster_resources().get("GPU", 0))
     print(f"ray: {where}: {nodes} node{'s' * (nodes > 1)}, {gpus} GPUs", flush=True)
+
+
+def join_cluster(address: str, where: str, opts: dict) -> None:
+    """ray.init(address), or one line: nothing listens (a 5 s TCP check), no token, or no answer
+    within $POSTTRAIN_JOIN_TIMEOUT s (30; Ray's own connect would retry for minutes)."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if host and port.isdigit():
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            why = f"nothing answers at {host}:{port} ({e.strerror or e}): is its head node up"
+            raise InputError(f"could not join {where}: {why} (`ray start --head`)?") from None
+    limit = float(os.environ.get("POSTTRAIN_JOIN_TIMEOUT", 30))
+
+    def too_long():
+        why = f"no answer within {limit:g} s ($POSTTRAIN_JOIN_TIMEOUT): is it a Ray head's GCS port"
+        print(f"error: could not join {where}: {why}?", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    (timer := threading.Timer(limit, too_long)).start()
+    try:
+        ray.init(address=address, **opts)
+    except (ConnectionError, RuntimeError) as e:
+        auth = "Authentication" in repr(e.__cause__) and os.getenv("RAY_AUTH_MODE") != "token"
+        hint = "; it wants its token: set RAY_AUTH_MODE=token" if auth else ""  # sent only if told
+        raise InputError(f"could not join {where}: {str(e).splitlines()[0]}{hint}") from None
+    finally:
+        timer.cancel()
 
 
 @dataclass
@@ -201,7 +232,7 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
     return device
 
 
-def call(actors: list, method: str, *args, per_rank=None, timeout=None, watch=()) -> list:
+def call(actors: list, method: str, *args, per_rank=None, timeout=RPC_TIMEOUT_S, watch=()) -> list:
     """Call `method` (a name, or a script's function run on trainer shells) on every actor,
     `per_rank[i]` first if given, and wait. One dead or silent for `timeout` s, or one of `watch`
     (busy: engines) dying, is a one-line RunError, not a hang (shutdown cancels the rest)."""
@@ -212,8 +243,7 @@ def call(actors: list, method: str, *args, per_rank=None, timeout=None, watch=()
     return wait_all(refs, names, getattr(method, "__name__", method), timeout, watch)
 
 
-def wait_all(refs: list, names: list[str], what: str, timeout=None, watch=()) -> list:
-    timeout = RPC_TIMEOUT_S if timeout is None else timeout
+def wait_all(refs: list, names: list[str], what: str, timeout=RPC_TIMEOUT_S, watch=()) -> list:
     pending, watched = dict(zip(refs, names)), {}
     for i, actor in enumerate(watch):  # a ping each, answered at once or after its current call
         watched[actor.__ray_ready__.remote()] = (actor, f"{actor_name(actor)}#{i}")

@@ -7,6 +7,7 @@ import signal
 import threading
 
 import ray
+import torch
 from transformers import AutoTokenizer
 
 from common.data import load_function
@@ -34,6 +35,18 @@ def composed_reward(terms: dict, pairs: list, where: str, timeout: float, labels
     """Every term on every (response, answer) pair: (Σ weight × value per pair, {name: values})."""
     parts = {n: call_reward(fn, pairs, where, timeout, labels) for n, (fn, _) in terms.items()}
     return [sum(w * parts[n][i] for n, (_, w) in terms.items()) for i in range(len(pairs))], parts
+
+
+def score_responses(terms: dict, batch: list, outs: list, tokenizer, where: str, timeout: float):
+    """Decode the responses to a batch of Prompts (outs: n per prompt) and score each against its
+    prompt's answer: (texts, (B*n,) rewards, {term: (B*n,) values}), prompt-major. A reward
+    function that raises, hangs or returns a non-number stops the run, naming the row and sample."""
+    n = len(outs[0])
+    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
+    pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
+    labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
+    rewards, parts = composed_reward(terms, pairs, where, timeout, labels)
+    return texts, torch.tensor(rewards), {name: torch.tensor(v) for name, v in parts.items()}
 
 
 def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, labels=None):
@@ -82,11 +95,9 @@ class RewardWorker:
         self.terms, self.timeout = terms, timeout
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
-    def score(self, outs: list, answer: str, where: str, labels: list[str]) -> tuple:
-        """outs: one engine.generate result for one prompt, [[sample] * n]."""
-        texts = [self.tokenizer.decode(s["token_ids"], skip_special_tokens=True) for s in outs[0]]
-        pairs = [(t, answer) for t in texts]
+    def score(self, outs: list, prompt, where: str) -> tuple:
+        """score_responses of one Prompt's group: outs, its engine.generate result."""
         try:
-            return texts, *composed_reward(self.terms, pairs, where, self.timeout, labels)
+            return score_responses(self.terms, [prompt], outs, self.tokenizer, where, self.timeout)
         except RunError as e:
             raise RuntimeError(str(e.code).removeprefix("error: ")) from None

@@ -193,9 +193,8 @@ def _finite(v):
 
 
 def _fmt(key: str, value) -> str:
-    if isinstance(value, float):
-        return f"{key} {value:.4g}" if abs(value) < 1e4 else f"{key} {value:.0f}"
-    return f"{key} {value}"
+    spec = (".4g" if abs(value) < 1e4 else ".0f") if isinstance(value, float) else ""
+    return f"{key} {value:{spec}}"
 
 
 def _versions() -> dict:
@@ -208,8 +207,7 @@ def _versions() -> dict:
 
 def _git_sha() -> str | None:
     cmd = ["git", "rev-parse", "HEAD"]
-    try:
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # no git, or a hung one
         out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
+        return out.stdout.strip() or None
+    return None

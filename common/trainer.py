@@ -40,9 +40,8 @@ def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dt
     if adapters:
         adapters.add(model, compute)  # the frozen base in the compute dtype
     mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    for module in [*model.base_model.layers, model]:  # each decoder layer, then the root
+        fully_shard(module, mp_policy=mp)
     return model, load_weights(model, auto_cls, base, device, adapters)
 
 
@@ -82,22 +81,18 @@ def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]
 
 def attn_implementation(device, dtype) -> str:
     """flash-attn 2 where it runs (installed, CUDA, Ampere or newer GPUs, 16-bit), else SDPA."""
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
-        return "sdpa"
     half = dtype in (torch.float16, torch.bfloat16)
-    return (
-        "flash_attention_2" if half and torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
-    )
+    if device.type != "cuda" or not half or importlib.util.find_spec("flash_attn") is None:
+        return "sdpa"
+    return "flash_attention_2" if torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
 
 
 def load_policy(path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto"):
     """The policy: a causal LM, sharded by load_model (every script's model but rm.py's)."""
     from transformers import AutoModelForCausalLM
 
-    model, _ = load_model(
-        AutoModelForCausalLM, path, device, gradient_checkpointing, adapters, dtype
-    )
-    return model
+    args = path, device, gradient_checkpointing, adapters, dtype
+    return load_model(AutoModelForCausalLM, *args)[0]  # the model, not the weights it lacked
 
 
 class Trainer:
@@ -164,9 +159,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0
         if not torch.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
-            )
+            raise FloatingPointError(f"non-finite loss or gradient norm ({grad_norm.item()}) at "
+                                     f"step {step + 1}")  # fmt: skip
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.item()

@@ -122,8 +122,7 @@ class WeightSync:
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         finally:
             self.model.train(training)
-            if ring is not None:
-                enable_ring_attention(self.model, ring)
+            enable_ring_attention(self.model, ring)  # None: stays off
         mine = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
         if not self.transfer.is_sender:
             return None

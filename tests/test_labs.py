@@ -172,7 +172,7 @@ def test_the_plumbing_check_can_fail(tmp_path):
     with open(os.path.join(REPO, "grpo.py")) as f:
         lines = f.read().splitlines()
     protected = check_variant.protected_lines(lines)
-    step = next(i for i, line in enumerate(lines, 1) if "def make_sequence" in line)
+    step = next(i for i, line in enumerate(lines, 1) if "def plan_minibatches" in line)
     main = next(i for i, line in enumerate(lines, 1) if line.startswith("def main("))
     assert step in protected and main not in protected and main + 5 not in protected
     assert next(i for i, line in enumerate(lines, 1) if "def compute_loss" in line) not in protected

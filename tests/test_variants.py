@@ -281,9 +281,8 @@ def test_the_variant_command_passes_dapo_and_names_what_is_wrong(tmp_path):
     bad = bad.replace(
         "    return torch.ones(", "    return torch.zeros(", 1
     )  # keep_groups: untagged
-    bad = bad.replace(
-        "    ids = prompt + response\n", "    ids = prompt + response  # MINE: x\n", 1
-    )
+    shuffle = "    order = torch.randperm(len(sequences), generator=seed).tolist()"  # plumbing
+    bad = bad.replace(shuffle + "\n", shuffle + "  # MINE: x\n", 1)
     bad = bad.replace(
         "    eps = (args.clip_eps, args.clip_eps)", "    eps = (0.1, 0.1)  # MINE: a", 1
     )
@@ -294,7 +293,7 @@ def test_the_variant_command_passes_dapo_and_names_what_is_wrong(tmp_path):
     assert out.returncode == 1 and lines[-1] == "not a clean variant", out.stdout + out.stderr
     assert "6 changed lines (budget 2), tag MINE" in lines[0]
     assert any(line.startswith("  untagged hunk near") for line in lines), lines
-    step = text.splitlines().index("    ids = prompt + response") + 1  # make_sequence: plumbing
+    step = text.splitlines().index(shuffle) + 1  # in plan_minibatches
     assert f"  edits the plumbing: grpo.py line {step} is in a TRY NOT TO MODIFY block" in lines
     assert "  over budget: 6 changed lines, at most 2" in lines
     missing = subprocess.run([*command, "nope.py"], cwd=REPO, capture_output=True, text=True)
