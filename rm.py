@@ -176,7 +176,7 @@ def compute_loss(chosen_rewards, rejected_rewards, margins) -> tuple[torch.Tenso
     batch."""
     loss = compute_rm_loss(chosen_rewards, rejected_rewards, margins).sum()
     gap = (chosen_rewards - rejected_rewards).detach()
-    return loss, {"correct": (gap > 0).sum(), "margin_sum": gap.sum()}
+    return loss, {"accuracy": (gap > 0).sum(), "margin": gap.sum()}
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -190,13 +190,10 @@ def lr_at(step: int, args: Args) -> float:
 
 # ALGO LOGIC: what each step logs (docs/rm.md lists every key).
 def pair_metrics(prefix: str, sums: list[dict], num_pairs: float) -> dict:
-    """Means per pair from the ranks' sums: the loss, the share of pairs ranked right (r_c > r_r)
-    and the mean reward gap r_c - r_r."""
-    return {
-        f"{prefix}/loss": sum(s["loss_sum"] for s in sums) / num_pairs,
-        f"{prefix}/accuracy": sum(s["correct"] for s in sums) / num_pairs,
-        f"{prefix}/margin": sum(s["margin_sum"] for s in sums) / num_pairs,
-    }
+    """Means per pair from the ranks' sums of the loss and every stat compute_loss returns, as
+    <prefix>/<name>: the share of pairs ranked right (r_c > r_r), the mean reward gap r_c - r_r."""
+    keys = [key for key in sums[0] if key not in ("pairs", "grad_norm", "lr")]
+    return {f"{prefix}/{key}": sum(s[key] for s in sums) / num_pairs for key in keys}
 
 
 def time_metrics(elapsed: float, batch: list[dict]) -> dict:
@@ -239,7 +236,7 @@ def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) ->
     trainer.model.train()
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr_at(step, trainer.args)
-    stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0}
+    stats = {"loss": 0.0}  # + compute_loss's stats
     for i, mb in enumerate(micro_batches):
         # reduce-scatter gradients after the last micro-batch only
         trainer.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
@@ -247,9 +244,9 @@ def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) ->
         loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
         # the mean over the global batch's pairs; FSDP averages over ranks: undo it
         trainer.loss_scale.backward(loss * trainer.world_size / num_pairs)
-        stats["loss_sum"] += loss.item()
+        stats["loss"] += loss.item()
         for key, value in pair_stats.items():
-            stats[key] += value.item() * mb["loss_scale"].item()
+            stats[key] = stats.get(key, 0.0) + value.item() * mb["loss_scale"].item()
     grad_norm = trainer.optimizer_step(step)
     return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
 
@@ -258,14 +255,14 @@ def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) ->
 def eval_pairs(trainer, micro_batches: list[dict]) -> dict:
     """The loss and pair stats summed over this rank's micro-batches, and their pairs."""
     trainer.model.eval()
-    stats = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "pairs": 0.0}
+    stats = {"loss": 0.0, "pairs": 0.0}  # + compute_loss's stats
     for mb in micro_batches:
         chosen, rejected, margins = pair_rewards(trainer, mb)
         loss, pair_stats = compute_loss(chosen, rejected, margins)
         real = mb["loss_scale"].item()  # 0 for a filler micro-batch
-        stats["loss_sum"] += loss.item() * real
+        stats["loss"] += loss.item() * real
         for key, value in pair_stats.items():
-            stats[key] += value.item() * real
+            stats[key] = stats.get(key, 0.0) + value.item() * real
         stats["pairs"] += len(chosen) * real
     return stats
 
@@ -290,8 +287,7 @@ def main(args: Args):
         return pair_metrics("eval", sums, sum(s["pairs"] for s in sums))
 
     # ---- training loop ----
-    console = ("train/loss", "train/accuracy", "train/grad_norm", "eval/loss", "eval/accuracy")
-    console += ("eval/margin",)
+    console = ("eval/loss", "eval/accuracy", "eval/margin")  # after every train/* stat but lr
     first = evaluate() if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
@@ -313,7 +309,8 @@ def main(args: Args):
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate())
-        run.log(done, metrics, console)
+        update = [k for k in metrics if k.startswith("train/") and k != "train/lr"]
+        run.log(done, metrics, (*update, *console))
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)

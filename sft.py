@@ -158,10 +158,11 @@ def lr_at(step: int, args: Args) -> float:
 
 # ALGO LOGIC: what each step logs (docs/sft.md lists every key).
 def train_metrics(results: list[dict], num_tokens: int) -> dict:
-    """From the ranks' sums: the loss per assistant token of the whole batch (each rank holds a
-    share of the tokens; grad norm and lr are global)."""
+    """From the ranks' sums (each rank holds a share of the tokens; grad norm and lr are global):
+    every per-token sum train_step returns (the loss, ...) as its mean per assistant token."""
+    sums = [key for key in results[0] if key not in ("grad_norm", "lr")]
     return {
-        "train/loss": sum(r["loss_sum"] for r in results) / num_tokens,
+        **{f"train/{key}": sum(r[key] for r in results) / num_tokens for key in sums},
         "train/grad_norm": results[0]["grad_norm"],
         "train/lr": results[0]["lr"],
         "train/tokens": num_tokens,
@@ -225,7 +226,7 @@ def train_step(trainer, micro_batches: list[dict], num_tokens: int, step: int) -
         trainer.loss_scale.backward(loss * trainer.world_size / num_tokens)
         loss_sum += loss.item()
     grad_norm = trainer.optimizer_step(step)
-    return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": group["lr"]}
+    return {"loss": loss_sum, "grad_norm": grad_norm, "lr": group["lr"]}
 
 
 @torch.no_grad()
@@ -238,7 +239,7 @@ def eval_loss(trainer, micro_batches: list[dict]) -> dict:
         real = mb["loss_scale"].item()
         loss_sum += compute_loss(compute_logprobs(trainer.model, *inputs)).item() * real
         tokens += mb["loss_mask"].sum().item() * real
-    return {"loss_sum": loss_sum, "tokens": tokens}
+    return {"loss": loss_sum, "tokens": tokens}
 
 
 def main(args: Args):
@@ -257,7 +258,7 @@ def main(args: Args):
         metrics = {}
         if "eval" in sequences:
             sums = call(trainers, eval_loss, per_rank=plan_micro_batches(sequences["eval"], args))
-            metrics["eval/loss"] = sum(s["loss_sum"] for s in sums) / sum(s["tokens"] for s in sums)
+            metrics["eval/loss"] = sum(s["loss"] for s in sums) / sum(s["tokens"] for s in sums)
         if accuracy:  # greedy generation on the trainers, scored by the rule verifier
             metrics["eval/accuracy"], samples = greedy_accuracy(
                 trainers, *accuracy, tokenizer, args
@@ -266,8 +267,7 @@ def main(args: Args):
         return metrics
 
     # ---- training loop ----
-    console = ("train/loss", "train/grad_norm", "train/lr", "eval/loss", "eval/accuracy")
-    console += ("perf/tokens_per_s",)
+    console = ("eval/loss", "eval/accuracy", "perf/tokens_per_s")  # after every train/* but tokens
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
@@ -284,7 +284,8 @@ def main(args: Args):
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
-        run.log(done, metrics, console)
+        update = [k for k in metrics if k.startswith("train/") and k != "train/tokens"]
+        run.log(done, metrics, (*update, *console))
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)

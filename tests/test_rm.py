@@ -109,7 +109,7 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
         shares = rm.plan_micro_batches(batch, args)
         out = call(trainers, rm.train_step, len(batch), step, per_rank=shares)
         losses.append(
-            sum(o["loss_sum"] for o in out[::sp_size]) / len(batch)
+            sum(o["loss"] for o in out[::sp_size]) / len(batch)
         )  # an SP group reports its pairs once
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
@@ -171,4 +171,4 @@ def test_compute_loss_sums_pairs_and_counts():
     )
     loss, stats = rm.compute_loss(chosen, rejected, margins)
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-1)) + math.log(1 + math.exp(2.5)))
-    assert stats["correct"].item() == 1 and stats["margin_sum"].item() == pytest.approx(1.0 - 2.0)
+    assert stats["accuracy"].item() == 1 and stats["margin"].item() == pytest.approx(1.0 - 2.0)

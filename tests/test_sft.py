@@ -88,7 +88,7 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
         out = call(
             trainers, sft.train_step, num_tokens, step, per_rank=sft.plan_micro_batches(batch, args)
         )
-        losses.append(sum(o["loss_sum"] for o in out) / num_tokens)
+        losses.append(sum(o["loss"] for o in out) / num_tokens)
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
         ray.kill(t)
