@@ -343,7 +343,6 @@ def time_metrics(times: tuple, generated_tokens: int, trained_tokens: int) -> di
     }
 
 
-# TRY NOT TO MODIFY: the data plumbing the loop and the actor share.
 # ALGO LOGIC: the update, run on every trainer rank (common/trainer.py's shell holds the model, the
 # frozen π_ref and the optimizer): π_θold, π_ref, the loss, backward, the stats.
 def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
