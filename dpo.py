@@ -24,12 +24,11 @@ Run it:
         --gradient-checkpointing                       # 8 GPUs, IPO loss
 """
 
-import math
 import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
 import ray
 import torch
@@ -41,16 +40,17 @@ from transformers import AutoTokenizer
 from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
 from common.data import batch_rows
 from common.errors import InputError, check_ranges, parse_args
+from common.flags import Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
 from common.placement import call
 from common.precision import choose_dtype
 from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch
-from common.tracking import Experiment, Run
+from common.tracking import Run
 from common.trainer import Trainer, load_policy
 
 
 @dataclass
-class Args(Experiment):  # first the flags of common/tracking.py's Experiment (--seed, ...)
+class Args(LoRA, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model (also π_ref, the frozen start)"""
@@ -71,18 +71,6 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     """drop pairs longer than --max-length instead of stopping with an error"""
     max_new_tokens: Annotated[int, ">= 1"] = 32
     """generation budget of the greedy accuracy eval"""
-
-    # Resources
-    num_trainers: Annotated[int, ">= 1"] = 1
-    """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
-    sp_size: Annotated[int, ">= 1"] = 1
-    """ring attention: split every packed row over this many ranks (--num-trainers = DP x
-    --sp-size)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, ~30% more compute"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
-    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     beta: Annotated[float, "> 0"] = 0.1
@@ -111,17 +99,6 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     """AdamW weight decay"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
-
-    # LoRA (off by default): adapters on a frozen base model, common/lora.py
-    lora_rank: Annotated[int, ">= 0"] = 0
-    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
-    adapters reach the optimizer"""
-    lora_alpha: Annotated[float | None, "> 0"] = None
-    """α: the adapters' output is scaled by α / r (default 2 r)"""
-    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
-    """dropout on the adapters' input"""
-    lora_target_modules: str = lora.DEFAULT_TARGETS
-    """comma-separated linear layers of each decoder layer that get adapters"""
 
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
@@ -159,7 +136,7 @@ def reward_fn(response: str, answer: str) -> float:
     return float(verify(parse(answer), parse(response)))
 
 
-# ALGO LOGIC: a response's log-probability, the pair loss, and the learning rate.
+# ALGO LOGIC: a response's log-probability and the pair loss.
 def sequence_logprobs(model, mb: dict, sp_group=None) -> torch.Tensor:
     """log π(y|x) of every response in a packed micro-batch of pairs: the sum over its tokens.
     Returns (P, 2), column 0 chosen, column 1 rejected (make_pair puts them in that order). With
@@ -207,15 +184,6 @@ def compute_pair_losses(model, ref, mb: dict, args: Args, sp_group=None):
     with torch.no_grad():
         ref_logprobs = sequence_logprobs(ref, mb, sp_group)  # (P, 2)
     return compute_loss(sequence_logprobs(model, mb, sp_group), ref_logprobs, args)
-
-
-def lr_at(step: int, args: Args) -> float:
-    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
-    if step < args.warmup_steps:
-        return args.learning_rate * (step + 1) / args.warmup_steps
-    progress = (step + 1 - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
 # ALGO LOGIC: what each step logs (docs/dpo.md lists every key).
@@ -307,8 +275,6 @@ def pair_losses(trainer, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
     """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
     trainer.model.train()
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr_at(step, trainer.args)
     stats = {}
     for i, mb in enumerate(micro_batches):
         # reduce-scatter gradients after the last micro-batch only
@@ -321,7 +287,7 @@ def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) ->
         for key, value in pair_stats(losses.detach(), rewards).items():
             stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
     grad_norm = trainer.optimizer_step(step)
-    return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
+    return {**stats, "grad_norm": grad_norm, "lr": trainer.lr}
 
 
 @torch.no_grad()
@@ -533,7 +499,9 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
                     gradient_checkpointing=args.gradient_checkpointing, frozen=["ref_logprobs"],
-                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
+                    num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
+                    weight_decay=args.weight_decay,
                     max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_policy, paths, settings, args
 

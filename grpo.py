@@ -20,13 +20,12 @@ Run it:
         --prompts-per-step 128                            # 8 GPUs: 4 train, 4 generate
 """
 
-import math
 import os
 import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
 import ray
 import torch
@@ -38,17 +37,18 @@ from common import checkpoint, data, lora, memory, models, placement, tracking, 
 from common.data import Prompt, batch_rows, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
+from common.flags import Engines, Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
 from common.placement import call
 from common.precision import choose_dtype
 from common.rewards import composed_reward, reward_terms, score_responses
-from common.tracking import Experiment, Run
+from common.tracking import Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
 
 
 @dataclass
-class Args(Experiment):  # first the flags of common/tracking.py's Experiment (--seed, ...)
+class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
@@ -76,27 +76,10 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     drop_long: bool = False
     """drop prompts longer than --max-prompt-length instead of stopping with an error"""
 
-    # Resources
-    num_trainers: Annotated[int, ">= 1"] = 1
-    """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
-    sp_size: Annotated[int, ">= 1"] = 1
-    """ring attention: split every packed row over this many ranks (--num-trainers = DP x
-    --sp-size)"""
-    num_engines: Annotated[int, ">= 1"] = 1
-    """vLLM engines (Ray actors) generating rollouts"""
-    engine_tp: Annotated[int, ">= 1"] = 1
-    """tensor-parallel GPUs per engine"""
+    # Resources (and common/flags.py's: --num-trainers, --num-engines, ...)
     colocate: bool = False
     """GPU: trainer rank i and engine i share GPU i, vLLM sleeping while the trainers train (the
     default when there are too few GPUs to give each its own)"""
-    engine_memory: Annotated[float | None, "> 0"] = None
-    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache
-    (default 1)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, ~30% more compute"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
-    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     num_generations: Annotated[int, ">= 2"] = 8
@@ -134,19 +117,6 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     """AdamW weight decay"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
-
-    # LoRA (off by default): adapters on a frozen base model, common/lora.py
-    lora_rank: Annotated[int, ">= 0"] = 0
-    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
-    adapters reach the optimizer and the engines"""
-    lora_alpha: Annotated[float | None, "> 0"] = None
-    """α: the adapters' output is scaled by α / r (default 2 r)"""
-    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
-    """dropout on the adapters' input (0 in RL: it would make π_θ random)"""
-    lora_target_modules: str = lora.DEFAULT_TARGETS
-    """comma-separated linear layers of each decoder layer that get adapters"""
-    lora_merge_sync: bool = False
-    """send the engines merged full weights instead of the adapters (models vLLM has no LoRA for)"""
 
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
@@ -262,15 +232,6 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torc
     return (token_loss * values["loss_weights"]).sum(), stats
 
 
-def lr_at(step: int, args: Args) -> float:
-    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
-    if step < args.warmup_steps:
-        return args.learning_rate * (step + 1) / args.warmup_steps
-    progress = (step + 1 - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
-
-
 # ALGO LOGIC: what each step logs (docs/grpo.md lists every key).
 def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int) -> dict:
     """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
@@ -333,8 +294,6 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
     args, model = trainer.args, trainer.model
     stats, sums = defaultdict(float), defaultdict(float)  # sums: per-token stats, train/<name>
     sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr_at(step, args)
     # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
     minibatches = [[trainer.local_part(mb) for mb in mini] for mini in minibatches]
     one_update = args.num_minibatches * args.num_epochs == 1
@@ -379,7 +338,7 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                     stats["logprob_diff_sum"] += diff.sum().item()
                     stats["logprob_diff_max"] = max(stats["logprob_diff_max"], diff.max().item())
             stats["grad_norms"] += trainer.optimizer_step(step)
-    stats["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    stats["lr"] = trainer.lr
     return {**stats, "token_sums": dict(sums)}
 
 
@@ -644,7 +603,9 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
                     gradient_checkpointing=args.gradient_checkpointing, frozen=frozen_models(args),
-                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
+                    num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
+                    weight_decay=args.weight_decay,
                     max_grad_norm=args.max_grad_norm, colocate=args.colocate)  # fmt: skip
     return load_policy, paths, settings, args
 

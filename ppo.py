@@ -24,13 +24,12 @@ Run it:
 """
 
 import json
-import math
 import os
 import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
 import ray
 import torch
@@ -43,19 +42,20 @@ from common import checkpoint, data, lora, memory, models, placement, tracking, 
 from common.data import Prompt, batch_rows, encode_example, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
+from common.flags import Engines, Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
 from common.memory import to_device, to_host
 from common.placement import call, wait_all
 from common.precision import choose_dtype, compute_dtype
 from common.rewards import composed_reward, reward_terms, score_responses
 from common.ring_attn import shares_per_rank
-from common.tracking import Experiment, Run
+from common.tracking import Run
 from common.trainer import Critic, Trainer, load_model, load_policy
 from common.weight_sync import sync_weights
 
 
 @dataclass
-class Args(Experiment):  # first the flags of common/tracking.py's Experiment (--seed, ...)
+class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
@@ -87,29 +87,12 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     drop_long: bool = False
     """drop prompts longer than --max-prompt-length instead of stopping with an error"""
 
-    # Resources
-    num_trainers: Annotated[int, ">= 1"] = 1
-    """FSDP2 policy trainer ranks (one GPU each on GPU; share the cores on CPU)"""
+    # Resources (and common/flags.py's: --num-trainers, --num-engines, ...)
     num_critics: Annotated[int, ">= 1"] = 1
     """FSDP2 critic ranks, a separate actor group (one GPU each on GPU)"""
-    sp_size: Annotated[int, ">= 1"] = 1
-    """ring attention: split every packed row over this many ranks (--num-trainers, --num-critics =
-    DP x --sp-size)"""
-    num_engines: Annotated[int, ">= 1"] = 1
-    """vLLM engines (Ray actors) generating rollouts"""
-    engine_tp: Annotated[int, ">= 1"] = 1
-    """tensor-parallel GPUs per engine"""
     colocate: bool = False
     """GPU: the hybrid engine, policy rank i, critic rank i and engine i on GPU i (the reward model
     on GPU 0), vLLM sleeping while the models train (the default when there are too few GPUs)"""
-    engine_memory: Annotated[float | None, "> 0"] = None
-    """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache
-    (default 1)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, ~30% more compute"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
-    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     samples_per_prompt: Annotated[int, ">= 1"] = 2
@@ -158,19 +141,6 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     """AdamW weight decay"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
-
-    # LoRA (off by default): adapters on a frozen base model, common/lora.py
-    lora_rank: Annotated[int, ">= 0"] = 0
-    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
-    adapters reach the optimizer and the engines"""
-    lora_alpha: Annotated[float | None, "> 0"] = None
-    """α: the adapters' output is scaled by α / r (default 2 r)"""
-    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
-    """dropout on the adapters' input (0 in RL: it would make π_θ random)"""
-    lora_target_modules: str = lora.DEFAULT_TARGETS
-    """comma-separated linear layers of each decoder layer that get adapters"""
-    lora_merge_sync: bool = False
-    """send the engines merged full weights instead of the adapters (models vLLM has no LoRA for)"""
 
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
@@ -365,15 +335,6 @@ def update_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, num_r
     return kl_coef * (1 + error * num_responses / horizon)
 
 
-def lr_at(step: int, args: Args, peak: float) -> float:
-    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
-    if step < args.warmup_steps:
-        return peak * (step + 1) / args.warmup_steps
-    progress = (step + 1 - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
-
-
 # ALGO LOGIC: what each step logs (docs/ppo.md lists every key).
 def rollout_metrics(scores, parts: dict, responses: list[dict], values, returns, mask) -> dict:
     """What was sampled and what the critic made of it: scores (and each reward term's), lengths,
@@ -483,8 +444,6 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
     args, model = trainer.args, trainer.model
     stats, sums = defaultdict(float), defaultdict(float)  # sums: per-token stats, train/<name>
     sampled = (args.temperature, args.top_p)  # the distribution vLLM sampled from
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr_at(step, args, args.learning_rate)
     # With --sp-size k this rank holds 2 of each row's 2k zigzag chunks; a token is on one rank
     minibatches = [[trainer.local_part(mb) for mb in mini] for mini in minibatches]
     model.train()
@@ -511,7 +470,7 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 for key, value in token_stats.items():
                     sums[key] += value.item() * real
             stats["grad_norm_sum"] += trainer.optimizer_step(step)
-    stats["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    stats["lr"] = trainer.lr
     return {**stats, "token_sums": dict(sums)}
 
 
@@ -535,8 +494,6 @@ def critic_train_step(critic, minibatches: list[list[dict]], step: int) -> dict:
     """Regress V_φ on the GAE returns: the policy's minibatches and epochs. Returns sums."""
     args, model, stats, sums = critic.args, critic.model, defaultdict(float), defaultdict(float)
     critic.on_gpu(True)
-    for group in critic.optimizer.param_groups:
-        group["lr"] = lr_at(step, args, args.critic_learning_rate)
     minibatches = [[critic.local_part(mb) for mb in mini] for mini in minibatches]
     model.train()
     for _ in range(args.num_epochs):
@@ -962,7 +919,8 @@ def trainer_shells(args: Args, paths: dict, offload: bool) -> tuple:
     loader, the paths (what to load, the start model) and what each takes from the flags."""
     both = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, colocate=args.colocate,
                 gradient_checkpointing=args.gradient_checkpointing, weight_decay=args.weight_decay,
-                max_grad_norm=args.max_grad_norm)  # fmt: skip
+                max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
+                num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
     policy = dict(both, lora=lora.spec(args), frozen=["ref_logprobs"])
     policy["learning_rate"] = args.learning_rate
     critic = dict(both, lora=lora.spec(args, whole=("score",)), frozen=[], offload=offload)

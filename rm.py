@@ -25,7 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
 import ray
 import torch
@@ -37,15 +37,16 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
 from common.data import batch_rows
 from common.errors import InputError, check_ranges, parse_args
+from common.flags import Experiment, LoRA, Resources
 from common.placement import call
 from common.precision import choose_dtype
 from common.ring_attn import sequence_sums, shard_micro_batch
-from common.tracking import Experiment, Run
+from common.tracking import Run
 from common.trainer import Trainer, load_model
 
 
 @dataclass
-class Args(Experiment):  # first the flags of common/tracking.py's Experiment (--seed, ...)
+class Args(LoRA, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model (its LM head is replaced by a
@@ -63,18 +64,6 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     """longest sequence (prompt + one response) in tokens"""
     drop_long: bool = False
     """drop pairs longer than --max-length instead of stopping with an error"""
-
-    # Resources
-    num_trainers: Annotated[int, ">= 1"] = 1
-    """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
-    sp_size: Annotated[int, ">= 1"] = 1
-    """ring attention: split every packed row over this many ranks (--num-trainers = DP x
-    --sp-size)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, ~30% more compute"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
-    8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
 
     # Algorithm
     margin: Annotated[float, ">= 0"] = 0.0
@@ -99,17 +88,6 @@ class Args(Experiment):  # first the flags of common/tracking.py's Experiment (-
     """AdamW weight decay"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
-
-    # LoRA (off by default): adapters on a frozen base model, common/lora.py
-    lora_rank: Annotated[int, ">= 0"] = 0
-    """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
-    adapters reach the optimizer"""
-    lora_alpha: Annotated[float | None, "> 0"] = None
-    """α: the adapters' output is scaled by α / r (default 2 r)"""
-    lora_dropout: Annotated[float, ">= 0, < 1"] = 0.0
-    """dropout on the adapters' input"""
-    lora_target_modules: str = lora.DEFAULT_TARGETS
-    """comma-separated linear layers of each decoder layer that get adapters"""
 
 
 # ALGO LOGIC: the reward model, where it reads the reward, and the Bradley-Terry loss.
@@ -179,15 +157,6 @@ def compute_loss(chosen_rewards, rejected_rewards, margins) -> tuple[torch.Tenso
     return loss, {"accuracy": (gap > 0).sum(), "margin": gap.sum()}
 
 
-def lr_at(step: int, args: Args) -> float:
-    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
-    if step < args.warmup_steps:
-        return args.learning_rate * (step + 1) / args.warmup_steps
-    progress = (step + 1 - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
-
-
 # ALGO LOGIC: what each step logs (docs/rm.md lists every key).
 def pair_metrics(prefix: str, sums: list[dict], num_pairs: float) -> dict:
     """Means per pair from the ranks' sums of the loss and every stat compute_loss returns, as
@@ -234,8 +203,6 @@ def pair_rewards(trainer, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
     """One optimizer step over this rank's micro-batches. Returns sums; the driver divides."""
     trainer.model.train()
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr_at(step, trainer.args)
     stats = {"loss": 0.0}  # + compute_loss's stats
     for i, mb in enumerate(micro_batches):
         # reduce-scatter gradients after the last micro-batch only
@@ -248,7 +215,7 @@ def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) ->
         for key, value in pair_stats.items():
             stats[key] = stats.get(key, 0.0) + value.item() * mb["loss_scale"].item()
     grad_norm = trainer.optimizer_step(step)
-    return {**stats, "grad_norm": grad_norm, "lr": group["lr"]}
+    return {**stats, "grad_norm": grad_norm, "lr": trainer.lr}
 
 
 @torch.no_grad()
@@ -440,7 +407,9 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, frozen=[],
                     lora=lora.spec(args, whole=("score",)),  # the score head trained whole
                     gradient_checkpointing=args.gradient_checkpointing,
-                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
+                    num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
+                    weight_decay=args.weight_decay,
                     max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_reward_model, paths, settings, args
 

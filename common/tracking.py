@@ -18,40 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Annotated
 from urllib.parse import urlparse
 
 from common.data import REPO_ROOT
 from common.errors import InputError
 
 _LOCKS: dict[str, int] = {}  # run dir -> the open lock file this process holds until it exits
-_MAIN = getattr(sys.modules["__main__"], "__file__", None) or "run"  # the script being run
-_SCRIPT = os.path.basename(_MAIN).removesuffix(".py")
-
-
-@dataclasses.dataclass
-class Experiment:
-    """The flags every script's Args starts with (`class Args(Experiment)`): the same in each,
-    edited by no variant, so declared once; tyro lists them first, as if written in the script."""
-
-    exp_name: str = _SCRIPT  # the script's file name: grpo for `python grpo.py`
-    """name of the experiment; runs go to <output-dir>/<exp-name>__<seed>__<unix time>"""
-    seed: Annotated[int, ">= 0"] = 1
-    """seed of model init, data order and sampling"""
-    track: bool = False
-    """log metrics to Weights & Biases"""
-    wandb_project: str = "posttrain"
-    """the wandb project"""
-    output_dir: str = "runs"
-    """folder for run directories"""
-    resume: str | None = None
-    """continue a run: its run dir (latest checkpoint) or one of its checkpoints/step_N"""
-    save_every: Annotated[int, ">= 0"] = 0
-    """save a resumable checkpoint every N steps (0: only the final model)"""
-    save_final: bool = True
-    """write checkpoints/final (HF format) at the end; the labs skip it with --no-save-final"""
-    eval_every: Annotated[int, ">= 1"] = 10
-    """evaluate every N steps, and before the first and after the last"""
 
 
 class Run:

@@ -9,6 +9,7 @@ this object as `trainer` (model, frozen, optimizer, local_part, optimizer_step).
 
 import copy
 import importlib.util
+import math
 
 import ray
 import torch
@@ -95,12 +96,22 @@ def load_policy(path: str, device, gradient_checkpointing: bool, adapters=None, 
     return load_model(AutoModelForCausalLM, *args)[0]  # the model, not the weights it lacked
 
 
+def lr_at(step: int, peak: float, warmup_steps: int, num_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    progress = (step + 1 - warmup_steps) / max(1, num_steps - warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return peak * (min_lr_ratio + (1 - min_lr_ratio) * cosine)
+
+
 class Trainer:
     def __init__(self, load, paths: tuple, settings: dict, args, rank, world, addr, port):
         """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader, for
         paths[0] (the model, or the checkpoint to resume); paths[1]: the start model (π_ref, the
         LoRA base). `settings`, by name: seed, sp_size, dtype, gradient_checkpointing, lora
-        (lora.spec's), learning_rate, weight_decay, max_grad_norm, frozen ([] or ["ref_logprobs"]),
+        (lora.spec's), weight_decay, max_grad_norm, the schedule (lr_at: learning_rate,
+        warmup_steps, num_steps, min_lr_ratio), frozen ([] or ["ref_logprobs"]),
         colocate (an engine shares this GPU), offload (the model waits in host RAM between calls).
         `args`: the script's flags, for its own functions."""
         from transformers import AutoTokenizer
@@ -150,7 +161,11 @@ class Trainer:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
         every rank before the update, so the weights are never NaN. float16: the gradients are
         unscaled first, and an overflow skips the update and lowers the loss scale (common/
-        precision.py). Returns the norm (0 for a skipped update)."""
+        precision.py). Returns the norm (0 for a skipped update); self.lr, the step's rate."""
+        keys = ("learning_rate", "warmup_steps", "num_steps", "min_lr_ratio")
+        self.lr = lr_at(step, *(self.settings[k] for k in keys))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
         self.loss_scale.unscale(self.model.parameters())
         max_norm = self.settings["max_grad_norm"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -50,8 +50,9 @@ def test_reward_fn():
 
 
 def test_lr_schedule():
-    args = sft.Args(learning_rate=1.0, warmup_steps=2, num_steps=10, min_lr_ratio=0.1)
-    lrs = [sft.lr_at(s, args) for s in range(10)]
+    from common.trainer import lr_at  # the shell sets it before each optimizer step
+
+    lrs = [lr_at(s, 1.0, warmup_steps=2, num_steps=10, min_lr_ratio=0.1) for s in range(10)]
     assert lrs[:2] == [0.5, 1.0]
     assert all(x > y for x, y in zip(lrs[1:], lrs[2:]))  # cosine decay is strictly decreasing
     assert lrs[-1] == pytest.approx(0.1)  # the last step runs at the floor
