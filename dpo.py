@@ -37,14 +37,14 @@ from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
+from common import checkpoint, data, greedy, lora, memory, models, placement, ring_attn, tracking
 from common.data import batch_rows
 from common.errors import InputError, check_ranges, parse_args
 from common.flags import Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
 from common.placement import call
 from common.precision import choose_dtype
-from common.ring_attn import enable_ring_attention, sequence_sums, shard_micro_batch
+from common.ring_attn import sequence_sums, shard_micro_batch
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 
@@ -218,7 +218,7 @@ def time_metrics(elapsed: float, batch: list[dict]) -> dict:
     return {"time/step": elapsed, "perf/tokens_per_s": tokens / elapsed}
 
 
-# TRY NOT TO MODIFY: the data plumbing and greedy generation.
+# TRY NOT TO MODIFY: the data plumbing.
 def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> dict:
     """One packing unit from (ids, response mask) of prompt + chosen and of prompt + rejected, in
     that order, so a pair never straddles micro-batches or ranks. Each half is shifted once, as in
@@ -231,31 +231,6 @@ def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], li
         seq["loss_mask"] += mask[1:] + [0]
         seq["positions"] += list(range(len(ids)))
     return seq
-
-
-def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, synced):
-    """Greedy completions of token-id prompts, batched: left-padded, so every prompt ends where
-    generation starts. Returns each completion's ids without EOS or padding. synced: the FSDP ranks
-    generate together (their collectives stay in step even when one finishes first)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width, device = max(len(p) for p in prompts), model.device
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    out = model.generate(input_ids=input_ids, attention_mask=mask, synced_gpus=synced, **greedy)
-    stop = {tokenizer.eos_token_id, pad}
-    return [[t for t in row[width:].tolist() if t not in stop] for row in out]
-
-
-@torch.no_grad()
-def generate(trainer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy completions of this rank's prompts, each whole here (ring attention off)."""
-    trainer.model.eval()
-    enable_ring_attention(trainer.model, None)
-    args = (trainer.tokenizer, prompts, max_new_tokens, trainer.world_size > 1)
-    out = greedy_completions(trainer.model, *args)
-    enable_ring_attention(trainer.model, trainer.sp.group)
-    return out
 
 
 # ALGO LOGIC: the update and the evaluation, run on every trainer rank (common/trainer.py's shell
@@ -319,7 +294,9 @@ def main(args: Args):
             sums = call(trainers, eval_pairs, per_rank=plan_micro_batches(pairs["eval"], args))
             metrics.update(pair_metrics("eval", sums, args))
         if accuracy:  # greedy generation on the trainers, scored by the rule verifier
-            accuracy_value, samples = greedy_accuracy(trainers, *accuracy, tokenizer, args)
+            accuracy_value, samples = greedy.accuracy(
+                trainers, *accuracy, tokenizer, args.max_new_tokens, reward_fn
+            )
             metrics["eval/greedy_accuracy"] = accuracy_value
             run.log_samples(step, samples)
         return metrics
@@ -374,22 +351,6 @@ def plan_micro_batches(batch: list[dict], args: Args) -> list[list[dict]]:
     return ring_attn.shares_per_rank(shares, args.sp_size)
 
 
-def greedy_accuracy(trainers: list, rows: list[dict], prompts: list, tokenizer, args: Args):
-    """Greedy accuracy of the held-out prompts: dealt round-robin to the trainer ranks, generated
-    there, scored with reward_fn against each row's answer. Returns (accuracy, sample rows)."""
-    n = len(trainers)
-    outs = call(trainers, generate, args.max_new_tokens, per_rank=[prompts[r::n] for r in range(n)])
-    texts = [""] * len(prompts)
-    for r, out in enumerate(outs):
-        texts[r::n] = [tokenizer.decode(o) for o in out]
-    rewards = [reward_fn(text, str(row["answer"])) for text, row in zip(texts, rows)]
-    samples = [
-        {"prompt": row["prompt"], "response": text, "answer": row["answer"], "reward": reward}
-        for row, text, reward in zip(rows, texts, rewards)
-    ]
-    return sum(rewards) / len(rewards), samples
-
-
 # SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
 def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
@@ -440,7 +401,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     for rows, source in datasets.values():
         data.validate_rows(rows, ["prompt", "chosen", "rejected"], source)
         data.check_pairs(rows, source)
-    accuracy_rows = read_accuracy_rows(args)
+    accuracy_rows = greedy.read_rows(args.accuracy_dataset, args.eval_split)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
     lora.check_model(args, model_path)
@@ -451,16 +412,6 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     data.check_batch(args.batch_size, train, "--batch-size", source, "pairs")
     prompts = [data.encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
     return model_path, tokenizer, pairs, (accuracy_rows, prompts) if prompts else None
-
-
-def read_accuracy_rows(args: Args) -> list[dict]:
-    """The held-out `prompt` + `answer` rows of the greedy accuracy eval (none without
-    --accuracy-dataset)."""
-    if not args.accuracy_dataset:
-        return []
-    rows, source = data.load_rows(args.accuracy_dataset, args.eval_split)
-    data.validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
-    return rows
 
 
 def encode_pairs(rows: list[dict], source: str, tokenizer, args: Args) -> list[dict]:

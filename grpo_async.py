@@ -40,6 +40,7 @@ from common.flags import Engines, Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
 from common.placement import call, wait_all  # ASYNC: wait_all
 from common.precision import choose_dtype
+from common.prompts import encode_prompts, read_prompts
 from common.rewards import RewardWorker, composed_reward, reward_terms, score_responses  # ASYNC
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
@@ -597,7 +598,9 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     """Read and check the data, the reward's terms (two test calls) and the model; plan the GPUs'
     memory; tokenize. Returns (model folder, tokenizer, {split: [Prompt]}, the reward's terms)."""
     terms = reward_terms(reward_fn, args.verifier_weight, args.reward_fn)  # {name: (fn, weight)}
-    datasets = read_prompt_rows(args)
+    datasets = {"train": read_prompts(args.dataset, args.dataset_split)}
+    if args.eval_dataset:  # held-out prompts: answered
+        datasets["eval"] = read_prompts(args.eval_dataset, args.eval_split)
     answer = str(datasets["train"][0][0]["answer"])  # a broken reward function fails now, not later
     pairs = [("", answer), (answer, answer)]
     composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
@@ -608,49 +611,12 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), entropy=entropy)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
-        split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()
+        split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
+        for split, rows in datasets.items()
     }
     train, source = len(prompts["train"]), datasets["train"][1]
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
     return model_path, tokenizer, prompts, terms
-
-
-def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
-    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style
-    rows (`question` + `answer`) become a user message."""
-    datasets = {"train": data.load_rows(args.dataset, args.dataset_split)}
-    if args.eval_dataset:
-        datasets["eval"] = data.load_rows(args.eval_dataset, args.eval_split)
-    for split, (rows, source) in datasets.items():
-        if rows and "prompt" not in rows[0] and "question" in rows[0]:
-            asked = [[{"role": "user", "content": r["question"]}] for r in rows]
-            rows = [{"prompt": q, "answer": r.get("answer")} for q, r in zip(asked, rows)]
-        data.validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
-        datasets[split] = (rows, source)
-    return datasets
-
-
-def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
-    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run,
-    naming the first, or with --drop-long are left out."""
-    ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
-    if too_long and not args.drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
-            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass "
-            "--drop-long"
-        )
-    prompts = [
-        Prompt(p, str(r.get("answer")), r["prompt"], row)
-        for row, (p, r) in enumerate(zip(ids, rows), 1)
-        if len(p) <= args.max_prompt_length
-    ]
-    if not prompts:
-        raise InputError(
-            f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}"
-        )
-    return prompts
 
 
 def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None) -> tuple:

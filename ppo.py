@@ -47,6 +47,7 @@ from common.lm_head import token_logprobs
 from common.memory import to_device, to_host
 from common.placement import call, wait_all
 from common.precision import choose_dtype, compute_dtype
+from common.prompts import encode_prompts, read_prompts
 from common.rewards import composed_reward, reward_terms, score_responses
 from common.ring_attn import shares_per_rank
 from common.tracking import Run
@@ -805,7 +806,9 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     the models; plan the GPUs' memory; tokenize. Returns ({role: model folder}, tokenizer, {split:
     [Prompt]}, reward function, whether idle models wait in host RAM)."""
     terms = reward_terms(reward_fn, args.verifier_weight, args.reward_fn)  # {name: (fn, weight)}
-    datasets = read_prompt_rows(args)
+    datasets = {"train": read_prompts(args.dataset, args.dataset_split, args.reward_model is None)}
+    if args.eval_dataset:  # held-out prompts: answered
+        datasets["eval"] = read_prompts(args.eval_dataset, args.eval_split)
     reward_model_path = None
     if args.reward_model is not None:
         reward_model_path = models.resolve_model(args.reward_model)
@@ -827,7 +830,8 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     offload = memory.check_run(args, use_gpu, *planned, entropy="entropy" in policy_values(args))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
-        split: encode_prompts(rows, src, tokenizer, args) for split, (rows, src) in datasets.items()
+        split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
+        for split, rows in datasets.items()
     }
     train, source = len(prompts["train"]), datasets["train"][1]
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
@@ -836,47 +840,6 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     paths["critic_start"] = critic_path
     paths["reward_model"] = reward_model_path
     return paths, tokenizer, prompts, terms, offload
-
-
-def read_prompt_rows(args: Args) -> dict[str, tuple[list[dict], str]]:
-    """The train (and eval) prompt files, checked row by row: {split: (rows, source)}. GSM8K-style
-    rows (`question` + `answer`) become a user message. With a reward model the train prompts need
-    no answer."""
-    datasets = {"train": data.load_rows(args.dataset, args.dataset_split)}
-    if args.eval_dataset:
-        datasets["eval"] = data.load_rows(args.eval_dataset, args.eval_split)
-    for split, (rows, source) in datasets.items():
-        if rows and "prompt" not in rows[0] and "question" in rows[0]:
-            asked = [[{"role": "user", "content": r["question"]}] for r in rows]
-            rows = [{"prompt": q, "answer": r.get("answer")} for q, r in zip(asked, rows)]
-        answered = split == "eval" or args.reward_model is None  # a reward model needs no answer
-        columns = ["prompt", "answer"] if answered else ["prompt"]
-        data.validate_rows(rows, columns, source, numeric=("answer",))
-        datasets[split] = (rows, source)
-    return datasets
-
-
-def encode_prompts(rows: list[dict], source: str, tokenizer, args: Args) -> list[Prompt]:
-    """Tokenize every prompt with the chat template. Prompts over --max-prompt-length stop the run,
-    naming the first, or with --drop-long are left out."""
-    ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > args.max_prompt_length]
-    if too_long and not args.drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
-            f"{args.max_prompt_length} tokens (first: row {too_long[0]}); raise it or pass "
-            "--drop-long"
-        )
-    prompts = [
-        Prompt(p, str(r.get("answer")), r["prompt"], row)
-        for row, (p, r) in enumerate(zip(ids, rows), 1)
-        if len(p) <= args.max_prompt_length
-    ]
-    if not prompts:
-        raise InputError(
-            f"{source}: no prompt is within --max-prompt-length {args.max_prompt_length}"
-        )
-    return prompts
 
 
 def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple:

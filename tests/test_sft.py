@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import sft
+from common import greedy
 from common.data import encode_example, encode_prompt, load_rows
 from common.placement import Layout, call, make_placement_group, spawn_trainers
 
@@ -169,7 +170,7 @@ def test_greedy_completions_batch_like_one_at_a_time(tiny_model, tokenizer):
     questions = ["1 + 1?", "What is 12 + 30? Think step by step.", "Hi"]
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     assert len({len(p) for p in prompts}) == 3
-    batched = sft.greedy_completions(model, tokenizer, prompts, 6, synced=False)
+    batched = greedy.greedy_completions(model, tokenizer, prompts, 6, synced=False)
     for prompt, got in zip(prompts, batched):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
         alone = [t for t in out[0, len(prompt) :].tolist() if t != tokenizer.eos_token_id]
@@ -180,8 +181,8 @@ def test_greedy_completions_batch_like_one_at_a_time(tiny_model, tokenizer):
 class Echo:
     """A stand-in trainer rank: its "completion" of a prompt is the prompt's last token."""
 
-    def run(self, fn, prompts, max_new_tokens):  # the trainer shell runs sft.generate
-        assert fn is sft.generate
+    def run(self, fn, prompts, max_new_tokens):  # the trainer shell runs greedy.generate
+        assert fn is greedy.generate
         return [[p[-1]] for p in prompts]
 
 
@@ -191,10 +192,8 @@ def test_greedy_accuracy_puts_each_completion_back_with_its_row(ray_cpu, tokeniz
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(7)]
     rows = [{"prompt": f"q{d}", "answer": d if d % 3 else d + 1} for d in range(7)]  # 4 of 7 right
     trainers = [Echo.remote() for _ in range(3)]
-    args = sft.Args(max_new_tokens=1)
-    accuracy, samples = sft.greedy_accuracy(
-        trainers, rows, [[5, d] for d in digits], tokenizer, args
-    )
+    prompts = [[5, d] for d in digits]
+    accuracy, samples = greedy.accuracy(trainers, rows, prompts, tokenizer, 1, sft.reward_fn)
     assert [s["response"] for s in samples] == [str(d) for d in range(7)]
     assert [s["prompt"] for s in samples] == [r["prompt"] for r in rows]
     assert accuracy == pytest.approx(4 / 7) and [s["reward"] for s in samples] == [

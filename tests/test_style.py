@@ -44,13 +44,7 @@ SHARED = [  # (block, scripts); "script:Class.method" names a block under anothe
     ("plan_micro_batches", SUPERVISED),
     ("check_machine", SUPERVISED),
     ("start_trainers", SUPERVISED),
-    ("greedy_completions", ["sft.py", "dpo.py"]),  # the generate/accuracy path
-    ("generate", ["sft.py", "dpo.py"]),
-    ("greedy_accuracy", ["sft.py", "dpo.py"]),
-    ("read_accuracy_rows", ["sft.py", "dpo.py"]),
-    ("encode_prompts", RL),
     ("check_machine", ["grpo.py", "dapo.py"]),  # grpo_async.py never colocates
-    ("read_prompt_rows", GRPO),
     ("start_actors", ["grpo.py", "dapo.py"]),
     ("plan_minibatches", GRPO),
     # a loss change lives in compute_loss / loss_weights; the update is the same in the family

@@ -1,0 +1,58 @@
+"""Greedy accuracy without engines (sft.py, dpo.py): the trainer ranks complete held-out `prompt` +
+`answer` rows greedily with HF generate, and the script's reward_fn scores each completion."""
+
+import torch
+
+from common import data
+from common.placement import call
+from common.ring_attn import enable_ring_attention
+
+
+def read_rows(path: str, split: str) -> list[dict]:
+    """The held-out `prompt` + `answer` rows (none for path "")."""
+    if not path:
+        return []
+    rows, source = data.load_rows(path, split)
+    data.validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
+    return rows
+
+
+def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, synced):
+    """Greedy completions of token-id prompts, batched: left-padded, so every prompt ends where
+    generation starts. Returns each completion's ids without EOS or padding. synced: the FSDP ranks
+    generate together (their collectives stay in step even when one finishes first)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width, device = max(len(p) for p in prompts), model.device
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    out = model.generate(input_ids=input_ids, attention_mask=mask, synced_gpus=synced, **greedy)
+    stop = {tokenizer.eos_token_id, pad}
+    return [[t for t in row[width:].tolist() if t not in stop] for row in out]
+
+
+@torch.no_grad()
+def generate(trainer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy completions of this rank's prompts, each whole here (ring attention off)."""
+    trainer.model.eval()
+    enable_ring_attention(trainer.model, None)
+    args = (trainer.tokenizer, prompts, max_new_tokens, trainer.world_size > 1)
+    out = greedy_completions(trainer.model, *args)
+    enable_ring_attention(trainer.model, trainer.sp.group)
+    return out
+
+
+def accuracy(trainers: list, rows: list[dict], prompts: list, tokenizer, max_new_tokens, reward_fn):
+    """The prompts dealt round-robin to the trainer ranks, completed there, scored with
+    reward_fn(text, answer) against each row's answer. Returns (accuracy, sample rows)."""
+    n = len(trainers)
+    outs = call(trainers, generate, max_new_tokens, per_rank=[prompts[r::n] for r in range(n)])
+    texts = [""] * len(prompts)
+    for r, out in enumerate(outs):
+        texts[r::n] = [tokenizer.decode(o) for o in out]
+    rewards = [reward_fn(text, str(row["answer"])) for text, row in zip(texts, rows)]
+    samples = [
+        {"prompt": row["prompt"], "response": text, "answer": row["answer"], "reward": reward}
+        for row, text, reward in zip(rows, texts, rewards)
+    ]
+    return sum(rewards) / len(rewards), samples
