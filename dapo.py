@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, lora, memory, models, placement, tracking, weight_sync
+from common import checkpoint, data, lora, memory, models, placement, weight_sync
 from common.data import batch_rows, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
@@ -498,13 +498,13 @@ def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list
     ranks of a group get the same share)."""
     seed, k = torch.Generator().manual_seed(args.seed + step), args.num_minibatches
     order = torch.randperm(len(sequences), generator=seed).tolist()
-    shares, dp_size = [[] for _ in range(args.num_trainers)], args.num_trainers // args.sp_size
+    shares, n = [[] for _ in range(args.num_trainers)], args.num_trainers
     for mini in [[sequences[j] for j in order[i::k]] for i in range(k)]:
         weights = loss_weights([len(response) for _, response, _ in mini], args)
         seqs = [make_sequence(p, r, loss_weights=w, **v) for (p, r, v), w in zip(mini, weights)]
-        micros = data.split_for_ranks(seqs, dp_size, args.max_tokens_per_micro_batch)
-        for rank in range(args.num_trainers):
-            shares[rank].append(micros[rank // args.sp_size])
+        micros = data.split_for_ranks(seqs, n, args.max_tokens_per_micro_batch, args.sp_size)
+        for share, micro in zip(shares, micros):
+            share.append(micro)
     return shares
 
 
@@ -546,10 +546,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     (same script and model, a whole checkpoint), the wandb login, the GPUs and the layout (one GPU:
     colocated, which it prints). Returns whether to use GPUs, and (run dir, checkpoint, step) to
     resume or None."""
-    resume = checkpoint.check_resume(args.resume, args, script) if args.resume else None
-    if not args.resume:
-        tracking.check_output_dir(args.output_dir)
-    tracking.check_tracking(args.track)
+    resume = checkpoint.check_start(args, script)  # --resume, or a new run
     apart = args.num_trainers + args.num_engines * args.engine_tp  # GPUs, every actor on its own
     pairs = args.engine_tp == 1 and args.num_engines == args.num_trainers  # engine i: rank i's GPU
     shared = args.num_trainers if pairs else None

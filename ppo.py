@@ -38,7 +38,7 @@ from transformers import AutoModelForSequenceClassification as AutoScoreModel  #
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the updates and the loop use.
-from common import checkpoint, data, lora, memory, models, placement, tracking, weight_sync
+from common import checkpoint, data, lora, memory, models, placement, weight_sync
 from common.data import Prompt, batch_rows, encode_example, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
@@ -49,7 +49,6 @@ from common.placement import call, wait_all
 from common.precision import choose_dtype, compute_dtype
 from common.prompts import encode_prompts, read_prompts
 from common.rewards import composed_reward, reward_terms, score_responses
-from common.ring_attn import shares_per_rank
 from common.tracking import Run
 from common.trainer import Critic, Trainer, load_model, load_policy
 from common.weight_sync import sync_weights
@@ -714,8 +713,8 @@ def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args
     n, lengths = args.samples_per_prompt, [len(s["token_ids"]) for s in responses]
     seed = torch.Generator().manual_seed(args.seed + step)
     order = torch.randperm(len(responses), generator=seed).tolist()
-    dp_sizes = (args.num_trainers // args.sp_size, args.num_critics // args.sp_size)
-    shares = ([[] for _ in range(dp_sizes[0])], [[] for _ in range(dp_sizes[1])])
+    sizes = (args.num_trainers, args.num_critics)
+    shares = ([[] for _ in range(sizes[0])], [[] for _ in range(sizes[1])])
     for mini in [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]:
         weights = loss_weights([lengths[i] for i in mini], args)
         seqs = [
@@ -723,11 +722,11 @@ def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args
                           tok=range(lengths[i]), loss_weights=w)
             for i, w in zip(mini, weights)
         ]  # fmt: skip
-        for dp, share in zip(dp_sizes, shares):
-            micros = data.split_for_ranks(seqs, dp, args.max_tokens_per_micro_batch)
+        for n, share in zip(sizes, shares):
+            micros = data.split_for_ranks(seqs, n, args.max_tokens_per_micro_batch, args.sp_size)
             for rank, micro in enumerate(micros):
                 share[rank].append(micro)
-    return tuple(shares_per_rank(share, args.sp_size) for share in shares)
+    return shares
 
 
 def fill_token_values(shares: tuple, **values: torch.Tensor) -> None:
@@ -782,14 +781,11 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     (same script and model, whole checkpoints of the policy and the critic), the wandb login, the
     GPUs and the layout (too few GPUs: the hybrid engine, which it prints). Returns whether to use
     GPUs, and (run dir, checkpoint, step) to resume or None."""
-    resume = checkpoint.check_resume(args.resume, args, script) if args.resume else None
+    resume = checkpoint.check_start(args, script)  # --resume, or a new run
     if resume:  # the critic and β resume too
         checkpoint.check(os.path.join(resume[1], "critic"))
         if not os.path.isfile(os.path.join(resume[1], "ppo_state.json")):
             raise InputError(f"--resume: {resume[1]} has no ppo_state.json (the adaptive β)")
-    else:
-        tracking.check_output_dir(args.output_dir)
-    tracking.check_tracking(args.track)
     rm = int(args.reward_model is not None)
     apart = args.num_trainers + args.num_critics + rm + args.num_engines * args.engine_tp
     # Hybrid engine: policy rank i, critic rank i and engine i share GPU i (the reward model GPU 0)

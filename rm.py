@@ -34,7 +34,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, lora, memory, models, placement, ring_attn, tracking
+from common import checkpoint, data, lora, memory, models, placement
 from common.data import batch_rows
 from common.errors import InputError, check_ranges, parse_args
 from common.flags import Experiment, LoRA, Resources
@@ -240,7 +240,8 @@ def main(args: Args):
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
     model_path, pairs = prepare_inputs(args, use_gpu)
-    trainers = start_trainers(args, use_gpu, resume_ckpt or model_path, model_path)  # + the base
+    shell = trainer_shell(args, resume_ckpt or model_path, model_path)  # + the base
+    trainers = placement.start_trainers(Trainer, use_gpu, args.num_trainers, *shell)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step)
@@ -299,9 +300,9 @@ def main(args: Args):
 def plan_micro_batches(batch: list[dict], args: Args) -> list[list[dict]]:
     """Deal a batch to the data-parallel groups (balanced by tokens) and pack each share into
     micro-batches of --max-tokens-per-micro-batch; the --sp-size ranks of a group get the same."""
-    dp_size = args.num_trainers // args.sp_size
-    shares = data.split_for_ranks(batch, dp_size, args.max_tokens_per_micro_batch)
-    return ring_attn.shares_per_rank(shares, args.sp_size)
+    return data.split_for_ranks(
+        batch, args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size
+    )
 
 
 # SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
@@ -333,10 +334,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     """The checks that need the file system or the machine: the output dir or the run to resume
     (same script and model, a whole checkpoint), the wandb login, the GPUs. Returns whether to use
     GPUs, and (run dir, checkpoint, step) to resume or None."""
-    resume = checkpoint.check_resume(args.resume, args, script) if args.resume else None
-    if not args.resume:
-        tracking.check_output_dir(args.output_dir)
-    tracking.check_tracking(args.track)
+    resume = checkpoint.check_start(args, script)  # --resume, or a new run
     use_gpu = placement.choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are enough
     args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     return use_gpu, resume
@@ -389,16 +387,6 @@ def encode_pairs(rows: list[dict], source: str, tokenizer, args: Args) -> list[d
     if not pairs:
         raise InputError(f"{source}: no pairs left within --max-length")
     return pairs
-
-
-def start_trainers(args: Args, use_gpu: bool, *paths: str) -> list:
-    """Start Ray and place one trainer per rank (one GPU each, or a share of the CPU cores), each
-    loading `paths` (the model or the checkpoint to resume, and the start model: π_ref in dpo.py,
-    the frozen base of LoRA adapters)."""
-    layout = placement.Layout(use_gpu, args.num_trainers)
-    placement.init_ray(len(layout.bundles))
-    pg = placement.make_placement_group(layout.bundles, use_gpu)
-    return placement.spawn_trainers(Trainer, pg, layout.trainers, *trainer_shell(args, *paths))
 
 
 def trainer_shell(args: Args, *paths: str) -> tuple:

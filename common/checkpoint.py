@@ -12,7 +12,7 @@ import zipfile
 from common import lifetime, lora
 from common.errors import InputError, RunError
 from common.models import check_weights, whole_file
-from common.tracking import check_output_dir, lock_run_dir, write_json
+from common.tracking import check_output_dir, check_tracking, lock_run_dir, write_json
 
 
 def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool) -> None:
@@ -87,9 +87,13 @@ def staged(path: str, step: int):
         raise
 
 
-def check_resume(path: str, args, script: str) -> tuple[str, str, int]:
-    """Resolve and check `--resume` before anything starts: (run_dir, checkpoint_dir, step)."""
-    run_dir, checkpoint, step = find_checkpoint(path)
+def check_start(args, script: str) -> tuple[str, str, int] | None:
+    """Before anything starts, the wandb login and a new run's --output-dir (None), or --resume
+    resolved and checked: (run_dir, checkpoint_dir, step)."""
+    check_tracking(args.track)
+    if not args.resume:
+        return check_output_dir(args.output_dir)
+    run_dir, checkpoint, step = find_checkpoint(args.resume)
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)

@@ -265,9 +265,11 @@ def response_values(mb: dict, *names: str) -> dict:
     return out if names or "responses" not in mb else {**out, "responses": mb["responses"]}
 
 
-def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> list[list[dict]]:
-    """Deal sequences to data-parallel ranks (balanced by tokens) and pack each rank's share."""
-    shares, loads = [[] for _ in range(world_size)], [0] * world_size
+def split_for_ranks(sequences: list[dict], num_ranks: int, max_tokens: int, sp_size: int = 1):
+    """Deal sequences to the num_ranks // sp_size data-parallel groups (balanced by tokens), pack
+    each group's share; a group's --sp-size ranks get the same (ring attention splits each row)."""
+    dp_size = num_ranks // sp_size
+    shares, loads = [[] for _ in range(dp_size)], [0] * dp_size
     for seq in sorted(sequences, key=lambda s: -len(s["input_ids"])):
         r = loads.index(min(loads))
         shares[r].append(seq)
@@ -280,4 +282,4 @@ def split_for_ranks(sequences: list[dict], world_size: int, max_tokens: int) -> 
         while len(p) < num_micro:  # FSDP's collectives need equal counts; repeats add no gradient
             filler = p[-1] if p else pack([sequences[0]], max_tokens)[0]
             p.append({**filler, "loss_scale": torch.tensor(0.0)})
-    return packed
+    return [p for p in packed for _ in range(sp_size)]  # per rank: [micro-batch]

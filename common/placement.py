@@ -209,6 +209,15 @@ def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
     return actors
 
 
+def start_trainers(actor_cls, use_gpu: bool, num_trainers: int, *args) -> list:
+    """Start Ray and place the trainer ranks alone (one GPU each, or a share of the CPU cores), as
+    spawn_trainers: sft.py, rm.py, dpo.py. `args`: the shell's (common/trainer.py)."""
+    layout = Layout(use_gpu, num_trainers)
+    init_ray(len(layout.bundles))
+    pg = make_placement_group(layout.bundles, use_gpu)
+    return spawn_trainers(actor_cls, pg, layout.trainers, *args)
+
+
 def wait_started(actors: list) -> None:
     """Wait for all actors' __init__: one that crashes or times out (hung, unplaceable) is named."""
     names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]

@@ -59,11 +59,6 @@ def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
     return out
 
 
-def shares_per_rank(shares: list, sp_size: int) -> list:
-    """Driver side of DP x SP: one data share per SP group -> one per rank (same for its ranks)."""
-    return [share for share in shares for _ in range(sp_size)]
-
-
 def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None):
     """Per-sequence sums (S,) of per-token `values` (N,) split over the group, all-reduced. Every
     rank computes the same loss from them, so the backward is the identity (_SumOverGroup)."""

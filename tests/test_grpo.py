@@ -22,7 +22,6 @@ import grpo
 from common.data import encode_prompt, split_for_ranks
 from common.engines import generate, spawn_engines
 from common.placement import Layout, call, make_placement_group, rendezvous_address, spawn_trainers
-from common.ring_attn import shares_per_rank
 
 
 def test_group_advantages_by_hand():
@@ -139,10 +138,8 @@ def rollout_batch(engines, prompts, G, args, sp_size=1):
                 "loss_weights": [1.0 / (n * len(prompts) * G)] * n,
             }
             seqs.append(grpo.make_sequence(p, s["token_ids"], **per))
-    shares = split_for_ranks(seqs, 2 // sp_size, 512)  # one per data-parallel group
-    return [
-        [share] for share in shares_per_rank(shares, sp_size)
-    ]  # [rank][minibatch] -> micro-batches
+    shares = split_for_ranks(seqs, 2, 512, sp_size)  # the same for the ranks of an SP group
+    return [[share] for share in shares]  # [rank][minibatch] -> micro-batches
 
 
 @pytest.mark.cpu_engine(

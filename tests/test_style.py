@@ -43,7 +43,6 @@ SHARED = [  # (block, scripts); "script:Class.method" names a block under anothe
     ("time_metrics", SUPERVISED),
     ("plan_micro_batches", SUPERVISED),
     ("check_machine", SUPERVISED),
-    ("start_trainers", SUPERVISED),
     ("check_machine", ["grpo.py", "dapo.py"]),  # grpo_async.py never colocates
     ("start_actors", ["grpo.py", "dapo.py"]),
     ("plan_minibatches", GRPO),
