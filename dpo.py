@@ -308,7 +308,6 @@ def main(args: Args):
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
-    run.start_progress(args.num_steps, resume_step)
     train = pairs["train"]
     for step in range(resume_step, args.num_steps):
         t0 = time.time()

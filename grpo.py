@@ -391,7 +391,6 @@ def main(args: Args):
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, ("eval/accuracy",))
-    run.start_progress(args.num_steps, resume_step)
     train = prompts["train"]
     for step in range(resume_step, args.num_steps):
         t0 = time.time()

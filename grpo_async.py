@@ -416,7 +416,6 @@ def main(args: Args):
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, ("eval/accuracy",))
-    run.start_progress(args.num_steps, resume_step)
     rollouts = Rollouts(engines, prompts["train"], resume_step, args, (terms, model_path))
     before, phases = rollouts.engine_stats(), []  # ASYNC: phases (start, data, trained, synced)
     for step in range(resume_step, args.num_steps):

@@ -591,7 +591,6 @@ def main(args: Args):
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, ("eval/accuracy",))
-    run.start_progress(args.num_steps, resume_step)
     train = prompts["train"]
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
@@ -820,7 +819,7 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     critic_path = models.resolve_model(args.critic_model) if args.critic_model else model_path
     models.check_weights(critic_path, "--critic-model")
     lora.check_model(args, model_path)
-    lora.check_model(args, critic_path, head="score")
+    lora.check_model(args, critic_path)
     # a run that cannot fit stops here; colocated, the critic and reward model may wait in host RAM
     planned = (model_path, True, critic_path, reward_model_path)  # policy, π_ref, critic, RM
     offload = memory.check_run(args, use_gpu, *planned, entropy="entropy" in policy_values(args))

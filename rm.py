@@ -259,7 +259,6 @@ def main(args: Args):
     first = evaluate() if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
-    run.start_progress(args.num_steps, resume_step)
     train = pairs["train"]
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
@@ -357,7 +356,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple[str, dict[str, list[dict]
                 raise InputError(f"{source}: {what}")
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
-    lora.check_model(args, model_path, head="score")
+    lora.check_model(args, model_path)
     memory.check_run(args, use_gpu, model_path, head="score")  # a run that cannot fit stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pairs = {split: encode_pairs(*rows, tokenizer, args) for split, rows in datasets.items()}

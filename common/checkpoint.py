@@ -33,7 +33,7 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
         if adapters is not None:
             lora.write_adapter(os.path.join(path, lora.ADAPTER), adapters, lora.config_dict(model))
         if state is not None:
-            state = lora.merge(state, model) if adapters is not None else state
+            state = dict(lora.merged(state, model)) if adapters is not None else state
             if model.config.tie_word_embeddings:  # gathered: one copy
                 state.pop("lm_head.weight", None)
             model.save_pretrained(path, state_dict=state)

@@ -116,15 +116,12 @@ def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tu
 
 
 def check_pairs(rows: list[dict], source: str) -> None:
-    """Preference pairs (rm.py, dpo.py): two different, non-empty responses (ties teach nothing)."""
+    """Preference pairs (rm.py, dpo.py): two different responses (ties teach nothing)."""
 
     def text(value):
         return "".join(str(m["content"]) for m in as_messages(value, "assistant")).strip()
 
-    for i, row in enumerate(rows, 1):
-        for col in ("chosen", "rejected"):
-            if not text(row[col]):
-                raise InputError(f"{source}: row {i} column {col!r} is empty")
+    for i, row in enumerate(rows, 1):  # after validate_rows: neither is empty
         if text(row["chosen"]) == text(row["rejected"]):
             raise InputError(f"{source}: row {i} has identical 'chosen' and 'rejected' responses")
 
@@ -156,14 +153,19 @@ def as_messages(value, role: str) -> list[dict]:
     return value if isinstance(value, list) else [{"role": role, "content": value}]
 
 
+def render(tokenizer, messages: list, gen_prompt=False) -> list[int]:
+    """Token ids of `messages` in the tokenizer's chat template (+ the generation prompt)."""
+    if tokenizer.chat_template is None:
+        raise InputError(NO_TEMPLATE)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """A prompt's token ids for generation: plain text, or messages + chat template + gen prompt."""
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
-    if tokenizer.chat_template is None:
-        raise InputError(NO_TEMPLATE)
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return render(tokenizer, prompt, gen_prompt=True)
 
 
 def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[int]]:
@@ -173,20 +175,12 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
         ids = tokenizer(prompt).input_ids
         done = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         return ids + done, [0] * len(ids) + [1] * len(done)
-    if tokenizer.chat_template is None:
-        raise InputError(NO_TEMPLATE)
     answer = as_messages(completion, "assistant") if completion is not None else []
-    messages = as_messages(prompt, "user") + answer
-
-    def render(msgs, gen_prompt=False):
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    ids, mask = [], []
+    messages, ids, mask = as_messages(prompt, "user") + answer, [], []
     for i, message in enumerate(messages):  # render one turn more: new tokens are message i's
         assistant = message["role"] == "assistant"
-        pieces = [(render(messages[:i], gen_prompt=True), 0)] if assistant and i > 0 else []
-        pieces.append((render(messages[: i + 1]), int(assistant)))
+        pieces = [(render(tokenizer, messages[:i], True), 0)] if assistant and i > 0 else []
+        pieces.append((render(tokenizer, messages[: i + 1]), int(assistant)))
         for upto, value in pieces:
             if upto[: len(ids)] != ids:
                 how = "turn by turn (prefix changed)"

@@ -25,11 +25,8 @@ class InputError(SystemExit):
         super().__init__(f"error: {message}")
 
 
-class RunError(SystemExit):
-    """A fault after start-up: printed as one line `error: ...`, exit status 1, no traceback."""
-
-    def __init__(self, message: str):
-        super().__init__(f"error: {message}")
+class RunError(InputError):
+    """A fault after start-up, printed the same way."""
 
 
 RULES = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -83,7 +80,16 @@ def parse_args(args_cls, argv: list[str] | None = None):
             if i == len(argv) or argv[i].startswith("--"):
                 raise InputError(f"{flag} needs a value")
             value = argv[i]
-        _check_number(flag, kinds[flag], value)
+        types = typing.get_args(kinds[flag]) or (kinds[flag],)  # a Literal's: its choices
+        if typing.get_origin(kinds[flag]) is typing.Literal and value not in types:
+            raise InputError(f"{flag} takes one of {', '.join(types)} (got {value!r})")
+        for number, what in ((int, "an integer"), (float, "a number")):
+            if number in types and not (value == "None" and type(None) in types):
+                try:
+                    number(value)
+                except ValueError:
+                    raise InputError(f"{flag} takes {what} (got {value!r})") from None
+                break
     for name, rule in flag_ranges(args_cls).items() if {"-h", "--help"} & set(argv) else ():
         hint = tyro.conf.arg(help_behavior_hint=lambda d, r=rule: f"(default: {d}; {r})")
         owner = next(c for c in args_cls.__mro__ if name in vars(c).get("__annotations__", {}))
@@ -116,22 +122,6 @@ def no_flag(flag: str, kinds: dict, script: str) -> str:
     here = os.path.basename(script) + (f": {why[1]}" if why else "")
     has = ", ".join(have) + (" has" if len(have) == 1 else " have")
     return f"no flag {flag} in {here}; {has} it (python {have[0]} {flag})"
-
-
-def _check_number(flag: str, kind, value: str) -> None:
-    """A flag's value: the int or float its type says (None where allowed) or a Literal choice."""
-    types = typing.get_args(kind) or (kind,)  # a Literal's: its choices
-    if typing.get_origin(kind) is typing.Literal and value not in types:
-        raise InputError(f"{flag} takes one of {', '.join(types)} (got {value!r})")
-    if value == "None" and type(None) in types:
-        return
-    for number, what in ((int, "an integer"), (float, "a number")):
-        if number in types:
-            try:
-                number(value)
-            except ValueError:
-                raise InputError(f"{flag} takes {what} (got {value!r})") from None
-            return
 
 
 def stop_on_signals() -> None:

@@ -89,19 +89,13 @@ class LogprobHead(torch.nn.Linear):
         return logprobs if ent is None else torch.stack((logprobs, ent), dim=-1)  # (N,) or (N, 2)
 
 
-def install(model) -> None:
-    """Turn the model's LM head into a LogprobHead in place (a class change: parameters stay)."""
-    if type(head := model.get_output_embeddings()) is not torch.nn.Linear or head.bias is not None:
-        raise TypeError(f"expected an nn.Linear LM head without bias, got {type(head).__name__}")
-    head.__class__ = LogprobHead
-
-
 @contextmanager
 def token_logprobs(model, labels, temperature: float = 1.0, top_p: float = 1.0, entropy=False):
     """In this block `logits` are the (N,) log π of `labels` (with `entropy`: (N, 2), and H)."""
-    if not isinstance(model.get_output_embeddings(), LogprobHead):
-        install(model)
-    head = model.get_output_embeddings()
+    if not isinstance(head := model.get_output_embeddings(), LogprobHead):  # made one, in place
+        if type(head) is not torch.nn.Linear or head.bias is not None:
+            raise TypeError(f"expected an nn.Linear LM head without bias: {type(head).__name__}")
+        head.__class__ = LogprobHead  # a class change: the parameters stay
     head.targets = (labels, temperature, top_p, entropy)
     try:
         yield

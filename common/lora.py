@@ -7,12 +7,11 @@ gradient, no AdamW state. π_ref: adapters off (`Disabled`). Engines: adapters o
 import copy
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModel
 
 from common.errors import InputError
 
@@ -45,14 +44,12 @@ def check_args(args) -> None:
         raise InputError("--lora-target-modules is empty: name the linear layers to adapt")
 
 
-def check_model(args, model_path: str, head: str = "lm") -> None:
+def check_model(args, model_path: str) -> None:
     """Each target is a linear layer in every decoder layer (checked on meta: no weights read)."""
     if not args.lora_rank:
         return
-    config = AutoConfig.from_pretrained(model_path, num_labels=1)
-    auto_cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
-    with torch.device("meta"):
-        model = auto_cls.from_config(config)
+    with torch.device("meta"):  # the decoder without a head: the same for an LM and a scorer
+        model = AutoModel.from_config(AutoConfig.from_pretrained(model_path))
     if (layers := getattr(model.base_model, "layers", None)) is None:
         raise InputError(f"--lora-rank: {args.model} has no decoder layers at .layers")
     linear = {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules()
@@ -129,21 +126,6 @@ def on(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-@contextmanager
-def disabled(model):
-    """The model with every adapter off: the frozen base (π_ref). Weights are untouched."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield model
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-
-
 class Disabled:
     """π_ref, no second copy: the policy called with its adapters off (attributes read through)."""
 
@@ -151,8 +133,16 @@ class Disabled:
         self.model = model
 
     def __call__(self, *args, **kwargs):
-        with disabled(self.model):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in layers:  # weights untouched
+            layer.enable_adapters(False)
+        try:
             return self.model(*args, **kwargs)
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -183,27 +173,16 @@ def config_dict(model) -> dict:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
-def merge(state: dict, model) -> dict:
-    """A full state dict with adapters -> the merged model's, in HF names: W <- W + (α / r) B A."""
-    return dict(merged(state, state.__getitem__, model))
-
-
-def merged_parameters(model, dtype):
-    """(HF name, merged `dtype` tensor) for --lora-merge-sync; all ranks iterate (collectives)."""
-    params = dict(model.named_parameters())
-    return merged(params, lambda name: full_tensor(params[name]), model, dtype)
-
-
-def merged(names, get, model, dtype=None):
-    """(HF name, W + (α / r) B A, or W) for each weight in `names` but the adapters', `get` reading
-    one by name, in `dtype` (None: W's own)."""
-    for name in names:
+def merged(tensors: dict, model, dtype=None):
+    """(HF name, W + (α / r) B A, or W) for each weight of `tensors` but the adapters', in `dtype`
+    (None: W's own): a state dict, or named parameters (FSDP2 shards all-gathered: collectives)."""
+    for name in tensors:
         if ".lora_" in name:
             continue
-        tensor = weight = get(name)
+        tensor = weight = full_tensor(tensors[name])
         owner, _, leaf = name.rpartition(".base_layer.")
         if owner and leaf == "weight":
-            a, b = get(f"{owner}.lora_A.default.weight"), get(f"{owner}.lora_B.default.weight")
+            a, b = (full_tensor(tensors[f"{owner}.lora_{x}.default.weight"]) for x in "AB")
             scale = model.get_submodule(owner).scaling["default"]  # α / r of this LoRA layer
             tensor = weight.float() + scale * (b.float() @ a.float())
         yield name.replace(".base_layer.", "."), tensor.to(dtype or weight.dtype)

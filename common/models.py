@@ -64,25 +64,22 @@ def _builtin_model_dir() -> str:
     os.makedirs(cache, exist_ok=True)
     with open(dest + ".lock", "w") as lock:  # several processes may ask at once; one converts
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isfile(os.path.join(dest, "config.json")):
-            print(f"converting the built-in model to {dest} (once)", flush=True)
-            _convert_gguf(src, dest)
+        if os.path.isfile(os.path.join(dest, "config.json")):
+            return dest
+        print(f"converting the built-in model to {dest} (once)", flush=True)
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = f"{dest}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+        del model.config.quantization_config  # de-quantized: the folder loads as plain fp32
+        model.hf_quantizer, model.config.name_or_path = None, "SmolLM2-135M-Instruct"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, dest)  # atomic: a half-written folder is never seen as the model
     return dest
-
-
-def _convert_gguf(src: str, dest: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = f"{dest}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    del model.config.quantization_config  # de-quantized: the folder loads as plain fp32
-    model.hf_quantizer, model.config.name_or_path = None, "SmolLM2-135M-Instruct"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.rename(tmp, dest)  # atomic: a half-written folder is never seen as the model
 
 
 def check_weights(path: str, what: str) -> None:

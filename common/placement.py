@@ -149,8 +149,6 @@ class Layout:
             self.engines = [Slot(trainers + critics + i, gpu * engine_tp) for i in range(engines)]
             self.reward_model = Slot(len(self.bundles) - 1, gpu) if reward_model else None
             return
-        sizes_ok = engine_tp == 1 and engines == trainers and critics in (0, trainers)
-        assert use_gpu and sizes_ok, "see validate_args"
         self.bundles, shared = [1] * trainers, 1 + (engines > 0) + (critics > 0)
         tenants = [shared + (reward_model and r == 0) for r in range(trainers)]
         share = [math.floor(1e4 / n) / 1e4 for n in tenants]  # Ray counts to 4 decimals
@@ -277,16 +275,12 @@ def wait_all(refs: list, names: list[str], what: str, timeout=RPC_TIMEOUT_S, wat
 def _get(ref, name: str, what: str):
     try:
         return ray.get(ref)
-    except ray.exceptions.RayActorError as e:
-        raise RunError(f"{name} died during {what}: {_first_line(e)}") from None
-    except ray.exceptions.RayTaskError as e:
-        raise RunError(f"{name} failed in {what}: {_first_line(e.cause or e)}") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        died = isinstance(e, ray.exceptions.RayActorError)
+        cause, how = (e, "died during") if died else (e.cause or e, "failed in")
+        line = (str(cause).strip().splitlines() or [""])[-1]
+        raise RunError(f"{name} {how} {what}: {type(cause).__name__}: {line}") from None
 
 
 def actor_name(actor) -> str:  # e.g. "Trainer" or "AsyncEngine"
     return actor._ray_actor_creation_function_descriptor.class_name
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"

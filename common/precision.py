@@ -73,15 +73,6 @@ def compute_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
     return getattr(torch, "float32" if dtype == "auto" else dtype)
 
 
-def mixed_precision(dtype: torch.dtype):
-    """FSDP2's policy: compute in `dtype`, keep the master weights and reduce gradients in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy  # not on import: the engines' side
-
-    if dtype == torch.float32:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
 class LossScale:
     """Dynamic loss scaling for float16 (S = 1 otherwise; from 2^16, as GradScaler). skip(): a
     non-finite grad norm halves S and skips the step; `interval` good updates double S."""

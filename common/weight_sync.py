@@ -164,7 +164,7 @@ def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, a
 
         def __iter__(self):
             if lora.on(self._module):
-                yield from lora.merged_parameters(self._module, dtype)  # all-gathers: collectives
+                yield from lora.merged(dict(self._module.named_parameters()), self._module, dtype)
             else:
                 for name, param in self._module.named_parameters():
                     yield name, materialize_full_tensor(param.detach().to(dtype))

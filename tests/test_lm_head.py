@@ -169,4 +169,5 @@ def test_install_refuses_a_head_it_cannot_compute():
             return self.head
 
     with pytest.raises(TypeError, match="nn.Linear LM head without bias"):
-        lm_head.install(Model())
+        with lm_head.token_logprobs(Model(), torch.zeros(1, dtype=torch.long)):
+            pass

@@ -65,7 +65,7 @@ def _check_ring_attention(rank, world, lengths_cases, kernel="torch"):
         attn_blocks._flash_interface = lambda: FlashContract
         attn_blocks.kernels_for = lambda q: attn_blocks.FlashBlocks
     sp = sp_groups(world, world)
-    assert (sp.rank, sp.size, sp.dp_rank, sp.dp_size) == (rank, world, 0, 1)
+    assert (sp.rank, sp.size) == (rank, world)
     module = SimpleNamespace(sp_group=sp.group)
     for lengths in lengths_cases:
         gen = torch.Generator().manual_seed(sum(lengths))
@@ -315,8 +315,8 @@ def _check_training_step(rank, world, model_path, sp_size):
         if size > 1:
             enable_ring_attention(model, sp.group)
             assert model.config._attn_implementation == "ring_attention"
-        shares = split_for_ranks(batch, sp.dp_size, 64)  # the driver splits over DP groups only
-        loss = torch.tensor(_train_step(model, shares[sp.dp_rank], num_tokens, world, sp))
+        shares = split_for_ranks(batch, world // size, 64)  # the driver splits over DP groups only
+        loss = torch.tensor(_train_step(model, shares[rank // size], num_tokens, world, sp))
         dist.all_reduce(loss)  # the driver sums every rank's loss_sum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         grads = [p.grad.full_tensor() for p in model.parameters()]
