@@ -44,7 +44,7 @@ from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
 from common.flags import Engines, Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
-from common.memory import to_device, to_host
+from common.memory import to_device
 from common.placement import call, wait_all
 from common.precision import choose_dtype, compute_dtype
 from common.prompts import encode_prompts, read_prompts
@@ -542,7 +542,7 @@ class RewardModel:
             last = hidden[rows, mask.sum(dim=1) - 1]  # (b, H): each sequence's last real token
             out += self.model.score(last)[:, 0].float().tolist()  # `score`: the head's name in HF
         if self.offload:
-            to_host(self.model)
+            to_device(self.model, None, "cpu")
         return out
 
 

@@ -33,6 +33,7 @@ from common.flags import Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
 from common.placement import call
 from common.precision import choose_dtype
+from common.prompts import read_prompts
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 
@@ -295,7 +296,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     for rows, source in datasets.values():
         columns = ["messages"] if "messages" in rows[0] else ["prompt", "completion"]
         data.validate_rows(rows, columns, source)
-    accuracy_rows = greedy.read_rows(args.accuracy_dataset, args.eval_split)
+    accuracy_rows = read_prompts(args.accuracy_dataset, args.eval_split)[0]
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
     lora.check_model(args, model_path)

@@ -6,7 +6,7 @@ import uuid
 
 import ray
 
-from common.engines import Adapter, engine_args
+from common.engines import adapter_folder, engine_args, lora_request
 
 
 @ray.remote
@@ -19,9 +19,8 @@ class AsyncEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        assert not sleep_mode, "AsyncEngine never sleeps: it generates while the trainers train"
         args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
-        self.adapter = Adapter() if lora else None
+        self.adapter = adapter_folder() if lora else None
         # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output task joins.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
         self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
@@ -36,13 +35,14 @@ class AsyncEngine:
         from vllm.sampling_params import RequestOutputKind
 
         base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+        lora = lora_request(self.adapter)
 
         async def one(i: int, j: int) -> dict:  # sample j of prompt i
             seed = None if seeds is None else seeds[i] + j
             params = SamplingParams(n=1, seed=seed, output_kind=RequestOutputKind.DELTA, **base)
             request, token_ids, logprobs = self._request(prompts[i]), [], []
             async for out in self.llm.generate(request, params, uuid.uuid4().hex,
-                                               lora_request=self._lora()):  # fmt: skip
+                                               lora_request=lora):  # fmt: skip
                 c = out.outputs[0]  # the new tokens of a step
                 token_ids += c.token_ids
                 logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
@@ -93,16 +93,12 @@ class AsyncEngine:
         """Adapter-only sync (--lora-rank), in place between two steps (requests keep its id)."""
         self.paused_at = time.time()
         await self.llm.pause_generation(mode="keep", clear_cache=not self.keep_old_kv)
-        self.adapter.write(tensors, config)
-        if not await self.llm.add_lora(self.adapter.request(load_inplace=True)):
+        if not await self.llm.add_lora(lora_request(self.adapter, tensors, config)):
             raise RuntimeError(f"vLLM did not load the adapters of version {version}")
         await self.llm.update_weight_version(str(version))
         self.version = version
         await self.llm.resume_generation()
         self._interval("paused", self.paused_at)
-
-    def _lora(self):
-        return self.adapter.request() if self.adapter and self.adapter.written else None
 
     def _interval(self, what: str, start: float):
         self.intervals.append((what, start, end := time.time()))
@@ -114,7 +110,9 @@ class AsyncEngine:
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         request = self._request(token_ids)
-        outs = self.llm.generate(request, params, uuid.uuid4().hex, lora_request=self._lora())
+        outs = self.llm.generate(
+            request, params, uuid.uuid4().hex, lora_request=lora_request(self.adapter)
+        )
         outs = [out async for out in outs]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], outs[-1].prompt_logprobs[1:])]
 

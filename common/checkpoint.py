@@ -43,18 +43,6 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
     dist.barrier()
 
 
-def load_optimizer(model, optimizer, path: str) -> None:
-    """On every rank: rank 0 reads the checkpoint's optimizer state, each rank keeps its shard."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    rank0 = dist.get_rank() == 0
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False) if rank0 else {}
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=opts)
-
-
 @contextlib.contextmanager
 def staged(path: str, step: int):
     """Write a checkpoint (every part) into a hidden folder beside `path`, published by one rename:
@@ -105,7 +93,18 @@ def check_start(args, script: str) -> tuple[str, str, int] | None:
         raise InputError(f"--resume: {run_dir} was made by {made_by}, not {script}")
     if (model := config["args"].get("model")) != args.model:
         raise InputError(f"--resume: the run was made with --model {model}, not {args.model}")
-    check_lora_flags(config["args"], args)
+    saved = config["args"]  # LoRA: the same adapters (shape, scale); a full fine-tuning run: none
+    if (rank := saved.get("lora_rank", 0) or 0) != getattr(args, "lora_rank", 0):
+        what = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}" if rank else (
+            "fine-tuned the full model: leave out --lora-rank")  # fmt: skip
+        raise InputError(f"--resume: the run {what}")
+    was, modules = argparse.Namespace(**saved), lambda a: ",".join(sorted(set(lora.targets(a))))
+    for flag, theirs, mine in (
+        ("--lora-alpha", f"{lora.alpha(was):g}", f"{lora.alpha(args):g}"),
+        ("--lora-target-modules", modules(was), modules(args)),  # a set: in any order
+    ) if rank else ():  # fmt: skip
+        if theirs != mine:
+            raise InputError(f"--resume: the run was made with {flag} {theirs}, not {mine}")
     lock_run_dir(run_dir)
     if step >= args.num_steps:
         raise InputError(f"--resume: the checkpoint is at step {step}, not before --num-steps "
@@ -155,23 +154,6 @@ def flag_names(argv: list[str]) -> set[str]:
     """The Args fields a command line gives (--no-x: x)."""
     names = {a.partition("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     return {n[3:] if n.startswith("no_") else n for n in names}
-
-
-def check_lora_flags(saved: dict, args) -> None:
-    """A LoRA run resumes with the same adapters (shape, scale), a full fine-tuning run without."""
-    if (rank := saved.get("lora_rank", 0) or 0) != getattr(args, "lora_rank", 0):
-        what = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}" if rank else (
-            "fine-tuned the full model: leave out --lora-rank")  # fmt: skip
-        raise InputError(f"--resume: the run {what}")
-    if not rank:
-        return
-    was, modules = argparse.Namespace(**saved), lambda a: ",".join(sorted(set(lora.targets(a))))
-    for flag, theirs, mine in (
-        ("--lora-alpha", f"{lora.alpha(was):g}", f"{lora.alpha(args):g}"),
-        ("--lora-target-modules", modules(was), modules(args)),  # a set: in any order
-    ):
-        if theirs != mine:
-            raise InputError(f"--resume: the run was made with {flag} {theirs}, not {mine}")
 
 
 def find_checkpoint(path: str) -> tuple[str, str, int]:

@@ -65,12 +65,8 @@ def _load_local(path: str, split: str) -> list[dict]:
         except json.JSONDecodeError as e:
             where = f"line {e.lineno}, column {e.colno}"
             raise InputError(f"{path}: not valid JSON at {where} ({e.msg})") from None
-        if isinstance(rows, dict):  # columnar, as pandas writes it: {"prompt": [...], ...}
-            columns = list(rows.values())
-            if not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
-                expected = "a JSON array of rows, or an object of equal-length columns"
-                raise InputError(f"{path}: expected {expected}")
-            rows = [dict(zip(rows, values)) for values in zip(*columns)]
+        if not isinstance(rows, list):
+            raise InputError(f"{path}: expected a JSON array of rows")
     else:  # jsonl (one object per line); blank lines are skipped
         rows = []
         for i, line in enumerate(text.splitlines(), 1):

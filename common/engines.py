@@ -4,7 +4,6 @@ trainer recomputes) out. CPU choices are measured (see docs); eager: compiling c
 
 import atexit
 import logging
-import math
 import os
 import random
 import shutil
@@ -12,8 +11,6 @@ import tempfile
 
 import ray
 
-from common.errors import InputError
-from common.memory import GiB, engine_memory, shape_of
 from common.placement import Slot, wait_all, wait_started
 
 # vLLM's warnings reach the terminal, less the KnownWarnings; its info lines do not. To see them:
@@ -27,7 +24,6 @@ CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores that the trainer ranks also use
     "OMP_NUM_THREADS": str(os.cpu_count() or 1),  # trainers and engines take turns: all cores each
 }
-KV_BLOCK = 128  # tokens: vLLM's CPU KV cache comes in blocks of this many
 
 
 class KnownWarnings(logging.Filter):
@@ -86,7 +82,7 @@ class Engine:
 
         args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
         self.llm = LLM(**args, enable_sleep_mode=sleep_mode, use_tqdm_on_load=False)
-        self.version, self.adapter = 0, Adapter() if lora else None
+        self.adapter = adapter_folder() if lora else None
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
@@ -101,7 +97,9 @@ class Engine:
             requests = [p for p in prompts for _ in range(n)]
             params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
-        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora())
+        outs = self.llm.generate(
+            requests, params, use_tqdm=False, lora_request=lora_request(self.adapter)
+        )
         samples = [dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                         logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                    for out in outs for c in out.outputs]  # fmt: skip
@@ -122,7 +120,6 @@ class Engine:
         if not self.llm.reset_prefix_cache():  # cached KV blocks were computed by the old weights
             why = "after a weight update (requests running?)"
             raise RuntimeError(f"vLLM could not reset its prefix cache {why}")
-        self.version = version
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens < i), i >= 1 (weight_sync's check); greedy: no generator draw."""
@@ -130,20 +127,17 @@ class Engine:
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         request = TokensPrompt(prompt_token_ids=token_ids)
-        out = self.llm.generate([request], params, use_tqdm=False, lora_request=self._lora())[0]
+        out = self.llm.generate(
+            [request], params, use_tqdm=False, lora_request=lora_request(self.adapter)
+        )[0]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     # Adapter-only sync (--lora-rank): the trainers' adapters, loaded in place by vLLM's LoRA API.
     def load_adapter(self, tensors: dict, config: dict, version: int):
-        self.adapter.write(tensors, config)
-        if not self.llm.llm_engine.add_lora(self.adapter.request(load_inplace=True)):
+        if not self.llm.llm_engine.add_lora(lora_request(self.adapter, tensors, config)):
             raise RuntimeError(f"vLLM did not load the adapters of version {version}")
         if not self.llm.reset_prefix_cache():  # cached KV blocks were computed by the old adapters
             raise RuntimeError("vLLM could not reset its prefix cache after an adapter update")
-        self.version = version
-
-    def _lora(self):
-        return self.adapter.request() if self.adapter and self.adapter.written else None
 
     def sleep(self):
         """Free the GPU (CUDA only): level 2 drops weights (all resent), LoRA's 1 keeps the base."""
@@ -153,57 +147,32 @@ class Engine:
         """Whether the engine is fully awake: vLLM resumes scheduling only then."""
         return self.llm.wake_up(tags)
 
-    def get_version(self) -> int:
-        return self.version
 
-
-class Adapter:
+def adapter_folder() -> str:
     """The engine's PEFT folder on its node (trainers may be elsewhere) for the trainers' adapters,
     rewritten at every sync, loaded in place under one id: requests in flight get the new ones."""
+    import psutil  # a dependency of vLLM
 
-    NAME, ID = "policy", 1
-
-    def __init__(self):
-        import psutil  # a dependency of vLLM
-
-        tmp = tempfile.gettempdir()
-        for name in os.listdir(tmp):  # the folders of engines that are gone (Ray kills actors)
-            pid = name.split("-")[2] if name.startswith("posttrain-adapter-") else ""
-            if pid.isdigit() and not psutil.pid_exists(int(pid)):
-                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
-        self.folder = tempfile.mkdtemp(prefix=f"posttrain-adapter-{os.getpid()}-")
-        self.written = False
-        atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
-
-    def write(self, tensors: dict, config: dict) -> None:
-        from common.lora import write_adapter
-
-        write_adapter(self.folder, tensors, config)
-        self.written = True
-
-    def request(self, load_inplace: bool = False):
-        """load_inplace makes vLLM reload the adapter at every step: for add_lora only."""
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(self.NAME, self.ID, self.folder, load_inplace=load_inplace)
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):  # the folders of engines that are gone (Ray kills actors)
+        pid = name.split("-")[2] if name.startswith("posttrain-adapter-") else ""
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    folder = tempfile.mkdtemp(prefix=f"posttrain-adapter-{os.getpid()}-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
-def check_kv_cache(args, policy: str) -> None:
-    """CPU: each KV cache holds a prompt + response (else vLLM won't start); all fit in RAM."""
-    if not getattr(args, "num_engines", 0):
-        return
-    shape, longest = shape_of(policy), args.max_prompt_length + args.max_response_length
-    blocks = math.ceil(longest / KV_BLOCK) + 1  # vLLM keeps one block empty
-    need = 2 * shape.layers * shape.kv * 4 * KV_BLOCK * blocks / GiB  # K, V of every layer, fp32
-    size, here = engine_memory(args, False), 1 if "RAY_ADDRESS" in os.environ else args.num_engines
-    if size < need:
-        raise InputError(f"--engine-memory {size:g} GiB of KV cache cannot hold one prompt + "
-                         f"response ({longest} tokens) of this model: give it at least "
-                         f"{math.ceil(need * 100) / 100:g}")  # fmt: skip
-    if here * size * GiB > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
-        each = f" for each of {here} engines" if here > 1 else ""
-        raise InputError(f"--engine-memory {size:g} GiB of KV cache{each} is more than this "
-                         "machine's RAM")  # fmt: skip
+def lora_request(folder: str | None, tensors=None, config=None):
+    """vLLM's request for the adapters in `folder` (None: no LoRA); with `tensors` and `config`
+    (a sync) they are written first and vLLM reloads them in place (add_lora's)."""
+    from vllm.lora.request import LoRARequest
+
+    from common.lora import write_adapter
+
+    if tensors is not None:
+        write_adapter(folder, tensors, config)
+    return folder and LoRARequest("policy", 1, folder, load_inplace=tensors is not None)
 
 
 def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:

@@ -3,18 +3,8 @@
 
 import torch
 
-from common import data
 from common.placement import call
 from common.ring_attn import enable_ring_attention
-
-
-def read_rows(path: str, split: str) -> list[dict]:
-    """The held-out `prompt` + `answer` rows (none for path "")."""
-    if not path:
-        return []
-    rows, source = data.load_rows(path, split)
-    data.validate_rows(rows, ["prompt", "answer"], source, numeric=("answer",))
-    return rows
 
 
 def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, synced):

@@ -7,6 +7,7 @@ LoRA: a frozen compute-dtype base (also π_ref) + 16 B per adapter parameter. Al
 plan that fits is never refused (docs/cluster.md)."""
 
 import copy
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -85,13 +86,6 @@ class Job:
     dtype: str = "bfloat16"  # the compute dtype (--dtype as chosen): 2 B per value, float32 4 B
 
 
-def activations(s: Shape, tokens: int, checkpointing: bool, b: int = 2) -> float:
-    """Bytes autograd keeps for `tokens` tokens (`b` B per value): per layer its input, normed
-    inputs, q/k/v, attention output, MLP gate, up and product; checkpointing: inputs + one layer."""
-    per_layer = tokens * (6 * s.hidden + 2 * s.kv + 4 * s.intermediate) * b
-    return s.layers * tokens * s.hidden * b + per_layer if checkpointing else s.layers * per_layer
-
-
 def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype: str) -> tuple:
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
     b, short = BYTES[dtype], SHORT[dtype]  # the compute dtype's bytes per value, its short name
@@ -102,7 +96,10 @@ def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype
     busy = {**base, f"{trained} + grads + AdamW": 16 * count / ranks}
     # two decoder layers (in use, prefetched) and the root gathered, with their grads if trained
     busy[f"gathered {short} layers"] = b * (1 + (not s.adapters)) * (2 * s.layer + s.root)
-    busy["activations"] = activations(s, tokens, ckpt, b)
+    # what autograd keeps: per layer its input, normed inputs, q/k/v, attention output, MLP gate, up
+    # and product; checkpointing: the layers' inputs + one layer's
+    layer = tokens * (6 * s.hidden + 2 * s.kv + 4 * s.intermediate) * b
+    busy["activations"] = s.layers * tokens * s.hidden * b + layer if ckpt else s.layers * layer
     if lm_head:  # the chunk's logits, probabilities and their gradient; the head's fp32 gradient
         busy["LM head"] = lm_head * HEAD_CHUNK_BYTES + (not s.adapters) * 4 * s.vocab * s.hidden
     return idle, busy
@@ -151,36 +148,6 @@ def fits(job: Job, capacity: float) -> bool:
     return peak(job, capacity)[3] <= capacity and engine_weights_fit(job, capacity)
 
 
-def remedies(job: Job, capacity: float, lora_job: Job | None = None) -> list[str]:
-    """Up to three flag changes making `job` fit, cheapest first; `lora_job`: with rank-16 LoRA."""
-    out = []
-    if lora_job is not None and fits(lora_job, capacity):
-        out.append("--lora-rank 16")
-    if not job.checkpointing and fits(replace(job, checkpointing=True), capacity):
-        out.append("--gradient-checkpointing")
-    tokens = job.tokens // 2
-    while tokens >= 256 and not fits(replace(job, tokens=tokens), capacity):
-        tokens //= 2
-    if tokens >= 256:
-        out.append(f"--max-tokens-per-micro-batch {tokens}")
-    half = replace(job, engine_memory=job.engine_memory / 2)
-    if job.colocate and job.engines and fits(half, capacity):
-        out.append(f"--engine-memory {half.engine_memory:.2g}")
-    for ranks in [r for r in (2, 4, 8, 16, 32, 64, 128) if r > job.trainers]:
-        if fits(replace(job, trainers=ranks, critics=ranks if job.critics else 0), capacity):
-            extra = f" --num-engines {ranks}" if job.colocate and job.engines else ""
-            out.append(f"more GPUs: --num-trainers {ranks}{extra}")
-            break
-    return out[:3]
-
-
-def gpu_capacity() -> float | None:
-    """Bytes of one GPU: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else None."""
-    if os.environ.get("POSTTRAIN_GPU_MEMORY_GIB"):
-        return float(os.environ["POSTTRAIN_GPU_MEMORY_GIB"]) * GiB
-    return float(t[0]) * 2**20 if (t := first_gpu("memory.total")) and t[0].isdigit() else None
-
-
 def describe(row: tuple, capacity: float | None) -> str:
     """One line, parts over 0.05 GiB: "GPU 0 training the policy needs 21.3 GiB of 79 (...)"."""
     gpu, phase, parts, total = row
@@ -205,8 +172,25 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
                          f"{capacity / GiB:.0f} GiB with room for a KV cache: raise --engine-memory"
                          + ("" if job.colocate else " or --engine-tp"))  # fmt: skip
     if (worst := peak(job, capacity))[3] > capacity:
-        fixes = remedies(job, capacity, lora_job)
-        hint = f"; it would fit with {' or '.join(fixes)}" if fixes else ""
+        fixes = []  # up to three flag changes that make it fit, cheapest first
+        if lora_job is not None and fits(lora_job, capacity):
+            fixes.append("--lora-rank 16")
+        if not job.checkpointing and fits(replace(job, checkpointing=True), capacity):
+            fixes.append("--gradient-checkpointing")
+        tokens = job.tokens // 2
+        while tokens >= 256 and not fits(replace(job, tokens=tokens), capacity):
+            tokens //= 2
+        if tokens >= 256:
+            fixes.append(f"--max-tokens-per-micro-batch {tokens}")
+        half = replace(job, engine_memory=job.engine_memory / 2)
+        if job.colocate and job.engines and fits(half, capacity):
+            fixes.append(f"--engine-memory {half.engine_memory:.2g}")
+        for ranks in [r for r in (2, 4, 8, 16, 32, 64, 128) if r > job.trainers]:
+            if fits(replace(job, trainers=ranks, critics=ranks if job.critics else 0), capacity):
+                extra = f" --num-engines {ranks}" if job.colocate and job.engines else ""
+                fixes.append(f"more GPUs: --num-trainers {ranks}{extra}")
+                break
+        hint = f"; it would fit with {' or '.join(fixes[:3])}" if fixes else ""
         raise InputError(f"memory plan: {describe(worst, capacity)}: does not fit{hint}")
     note = ", the critic and reward model wait in host RAM when idle" if job.offload else ""
     return job, f"memory plan: {describe(worst, capacity)}: fits{note}"
@@ -216,11 +200,23 @@ def check_run(args, use_gpu: bool, policy: str, reference=None, critic=None, rew
               head="lm", entropy=False) -> bool:  # fmt: skip
     """GPU: plan a script's run (model folders), print the plan, refuse it if it cannot fit; return
     whether idle models are offloaded. `reference` default: --kl-coef > 0. `entropy`: the LM head
-    also gives H_t (one chunk more, for its gradient). CPU: check_kv_cache."""
+    also gives H_t (one chunk more, for its gradient). CPU: each engine's KV cache (its memory)
+    holds a prompt + response (else vLLM won't start), and all fit in RAM."""
+    if not use_gpu and getattr(args, "num_engines", 0):
+        shape, longest = shape_of(policy), args.max_prompt_length + args.max_response_length
+        blocks = math.ceil(longest / 128) + 1  # vLLM's CPU blocks of 128 tokens, one kept empty
+        need = 2 * shape.layers * shape.kv * 4 * 128 * blocks / GiB  # K, V of every layer, fp32
+        size = engine_memory(args, False)
+        here = 1 if "RAY_ADDRESS" in os.environ else args.num_engines  # engines on this machine
+        if size < need:
+            raise InputError(f"--engine-memory {size:g} GiB of KV cache cannot hold one prompt + "
+                             f"response ({longest} tokens) of this model: give it at least "
+                             f"{math.ceil(need * 100) / 100:g}")  # fmt: skip
+        if here * size * GiB > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+            each = f" for each of {here} engines" if here > 1 else ""
+            raise InputError(f"--engine-memory {size:g} GiB of KV cache{each} is more than this "
+                             "machine's RAM")  # fmt: skip
     if not use_gpu:
-        from common.engines import check_kv_cache  # CPU: the engines' memory is their KV cache
-
-        check_kv_cache(args, policy)
         return False
     reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
     chunks = (head == "lm") * ((6.5 if getattr(args, "top_p", 1) < 1 else 3) + entropy)
@@ -239,8 +235,12 @@ def check_run(args, use_gpu: bool, policy: str, reference=None, critic=None, rew
             dtype=args.dtype if args.dtype in BYTES else "bfloat16",  # "auto": 2 B, as bf16
         )  # fmt: skip
 
+    # one GPU's bytes: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else unknown
+    capacity = float(os.environ.get("POSTTRAIN_GPU_MEMORY_GIB") or 0) * GiB or None
+    if capacity is None and (mib := first_gpu("memory.total")) and mib[0].isdigit():
+        capacity = float(mib[0]) * 2**20
     rank = getattr(args, "lora_rank", 0)  # without LoRA, say whether rank-16 adapters would fit
-    job, line = check(plan(rank), gpu_capacity(), None if rank or not targets[0] else plan(16))
+    job, line = check(plan(rank), capacity, None if rank or not targets[0] else plan(16))
     print(line, flush=True)
     return job.offload
 
@@ -255,17 +255,13 @@ def engine_memory(args, use_gpu: bool = True) -> float:
     return args.engine_memory or default
 
 
-def to_host(model, optimizer=None) -> None:
-    """Park a model (FSDP2 shards stay registered) and its optimizer state in host RAM."""
-    to_device(model, optimizer, "cpu")
-    if torch.cuda.is_available():  # give the freed GPU memory back to the others
-        torch.cuda.empty_cache()
-
-
 def to_device(model, optimizer, device) -> None:
-    """Back from host RAM to `device`, with the optimizer's state (AdamW's step: a CPU scalar)."""
+    """Park a model (FSDP2 shards stay registered) and its optimizer's state (AdamW's step stays a
+    CPU scalar) in host RAM ("cpu"), or bring them back to `device`."""
     model.to(device)
     for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
             if hasattr(value, "dim") and value.dim() > 0:
                 state[key] = value.to(device)
+    if str(device) == "cpu" and torch.cuda.is_available():  # the freed GPU memory to the others
+        torch.cuda.empty_cache()

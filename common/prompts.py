@@ -8,7 +8,9 @@ from common.errors import InputError
 
 def read_prompts(path: str, split: str, answered: bool = True) -> tuple[list[dict], str]:
     """(rows, source) of a prompt file, checked row by row; `question` rows become a user
-    message. answered=False: the rows need no answer (a reward model scores them)."""
+    message. answered=False: the rows need no answer (a reward model scores them). "": none."""
+    if not path:
+        return [], path
     rows, source = data.load_rows(path, split)
     if rows and "prompt" not in rows[0] and "question" in rows[0]:
         asked = [[{"role": "user", "content": r["question"]}] for r in rows]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common import checkpoint, lora, placement, weight_sync
-from common.memory import to_device, to_host
+from common.memory import to_device
 from common.precision import LossScale, compute_dtype
 from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch, sp_groups
 
@@ -182,10 +182,8 @@ class Trainer:
 
     def on_gpu(self, needed: bool):
         """`offload` (the memory plan's choice): model and optimizer wait in host RAM when idle."""
-        if self.settings.get("offload") and needed:
-            to_device(self.model, self.optimizer, self.device)
-        elif self.settings.get("offload"):
-            to_host(self.model, self.optimizer)
+        if self.settings.get("offload"):
+            to_device(self.model, self.optimizer, self.device if needed else "cpu")
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int, tp, merge):
         dtype = compute_dtype(self.device, self.settings["dtype"])  # the engines'
@@ -205,7 +203,13 @@ class Trainer:
         checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
 
     def load_optimizer(self, path: str):
-        checkpoint.load_optimizer(self.model, self.optimizer, path)
+        """Rank 0 reads the checkpoint's optimizer state, each rank keeps its shard."""
+        import torch.distributed.checkpoint.state_dict as sd
+
+        opts = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        state = torch.load(f"{path}/trainer_state.pt", weights_only=False) if self.rank == 0 else {}
+        optim = state.get("optimizer", {})
+        sd.set_optimizer_state_dict(self.model, self.optimizer, optim, options=opts)
 
 
 class Critic(Trainer):

@@ -19,10 +19,8 @@ from vllm.model_executor.model_loader import reload
 
 CHUNK_BYTES = 256 * 2**20
 KV_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")  # checkpoints may lack them
-
-
-class WorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`): importing this module is its job."""
+# vLLM's worker class takes it as a base (`worker_extension_cls`): importing this module is its job
+WorkerExtension = type("WorkerExtension", (), {})
 
 
 class Whole:
@@ -169,9 +167,8 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
 
 
 # The engines' backends (engines.py): ours for CPU, vLLM's for GPUs apart (nccl) or shared (ipc)
-CheckedGloo = type("CheckedGloo", (Whole, GlooWeightTransferEngine), {"__module__": __name__})
-CheckedNCCL = type("CheckedNCCL", (Whole, NCCLWeightTransferEngine), {"__module__": __name__})
-CheckedIPC = type("CheckedIPC", (Whole, IPCWeightTransferEngine), {"__module__": __name__})
-for name, checked in [("gloo", CheckedGloo), ("nccl", CheckedNCCL), ("ipc", CheckedIPC)]:
+for name, cls in [("gloo", GlooWeightTransferEngine), ("nccl", NCCLWeightTransferEngine),
+                  ("ipc", IPCWeightTransferEngine)]:  # fmt: skip
+    checked = type(f"Checked{cls.__name__}", (Whole, cls), {})
     factory.WeightTransferEngineFactory.register_engine(f"checked-{name}", checked)
 factory.WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)

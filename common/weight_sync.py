@@ -44,8 +44,8 @@ class EngineClient:
     """vLLM's `VLLMWeightSyncClient` over our engine actors, calls fanned out. In one NCCL/gloo
     group engine i's workers are ranks 1 + i * tp ... (0: the trainer): `rank_offset` per engine."""
 
-    def __init__(self, engines: list, tp: int):
-        self.engines, self.tp, self.version = engines, tp, 0
+    def __init__(self, engines: list, tp: int, version: int = 0):
+        self.engines, self.tp, self.version = engines, tp, version  # the engines' weights' version
 
     def _all(self, method: str, per_engine: list | None = None, *args):
         try:
@@ -73,8 +73,8 @@ class EngineClient:
     def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
         return self._all("prompt_logprobs", [token_ids] * len(self.engines))
 
-    def load_adapter(self, tensors: dict, config: dict, version: int) -> None:
-        self.version = version
+    def load_adapter(self, tensors: dict, config: dict) -> None:
+        self.version += 1
         tensors = ray.put(tensors)  # once in the object store, whatever the number of engines
         self._all("load_adapter", [tensors] * len(self.engines), config, self.version)
 
@@ -84,13 +84,11 @@ class AdapterTransfer:
 
     def __init__(self, model, client: EngineClient, is_sender: bool, dtype: torch.dtype):
         self.model, self.client, self.is_sender, self.dtype = model, client, is_sender, dtype
-        self.version = -1  # the first push, before any generate, sends the start: version 0
 
     def send_weights(self) -> None:
         tensors = lora.adapter_tensors(self.model, self.dtype)
-        self.version += 1
         if self.is_sender:
-            self.client.load_adapter(tensors, lora.config_dict(self.model), self.version)
+            self.client.load_adapter(tensors, lora.config_dict(self.model))
 
 
 class WeightSync:
@@ -100,6 +98,9 @@ class WeightSync:
                  nbytes: int):  # fmt: skip
         self.transfer, self.colocated, self.nbytes = transfer, colocated, nbytes
         self.model, self.probe, self.tolerance = model, probe, PROBE_TOLERANCE[dtype]
+        if lora.on(model):  # the engines loaded only the base model: the first push, checked
+            self.push()
+            self.check()
 
     def push(self) -> int:
         """Send; returns the bytes each engine receives (perf/sync_bytes)."""
@@ -146,11 +147,9 @@ def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, a
     probe = tokenizer(PROBE_TEXT).input_ids
     if lora.on(model) and not merge_lora:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        transfer = AdapterTransfer(model, EngineClient(engines, tp), rank == 0, dtype)
-        sync = WeightSync(transfer, backend == "ipc", model, probe, dtype, trained * dtype.itemsize)
-        sync.push()
-        sync.check()
-        return sync
+        client = EngineClient(engines, tp, -1)  # the first push, the start (B = 0): version 0
+        transfer = AdapterTransfer(model, client, rank == 0, dtype)
+        return WeightSync(transfer, backend == "ipc", model, probe, dtype, trained * dtype.itemsize)
     addr, port = address
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
@@ -172,27 +171,19 @@ def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, a
                 torch.cuda.current_stream().synchronize()
 
     group = dict(master_address=addr, master_port=port, world_size=1 + len(engines) * tp, rank=rank)
-    if backend == "gloo":
-        from common.vllm_worker import GlooTrainerInitInfo
-
-        info = GlooTrainerInitInfo(**group)
-    elif backend == "nccl":
+    if backend in ("gloo", "nccl"):  # one group: trainer rank 0 and every engine worker
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        info = NCCLTrainerInitInfo(**group)
-    elif backend == "ipc":
+        from common.vllm_worker import GlooTrainerInitInfo
+
+        info = (GlooTrainerInitInfo if backend == "gloo" else NCCLTrainerInitInfo)(**group)
+    else:  # ipc (choose_backend's three)
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         # packed: one reused buffer (1 GiB, or the largest tensor) for all, not a copy on every GPU
         size = max(2**30, max(p.numel() for p in model.parameters()) * dtype.itemsize)
         info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=size)
-    else:
-        raise ValueError(f"unknown weight-sync backend {backend!r}")
     source, client = CastSource(model), EngineClient(engines, tp)
     transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     sent = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
-    sync = WeightSync(transfer, backend == "ipc", model, probe, dtype, sent * dtype.itemsize)
-    if lora.on(model):
-        sync.push()
-        sync.check()
-    return sync
+    return WeightSync(transfer, backend == "ipc", model, probe, dtype, sent * dtype.itemsize)

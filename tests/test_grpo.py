@@ -200,7 +200,6 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     assert max(r["logprob_diff_max"] for r in stale) > 1e-2
     call(trainers, "push_weights")
     call(trainers, "check_weights")  # the probe after every push agrees
-    assert ray.get(engines[0].get_version.remote()) == 1
     synced = call(
         trainers, grpo.train_step, 2, per_rank=rollout_batch(engines, prompts, 4, args, sp_size)
     )

@@ -193,8 +193,6 @@ def test_sync_makes_the_engine_serve_the_trainers_adapters(ray_cpu, tiny_model, 
         assert (trainer_lp - engine_lp).abs().max() < 1e-4
     adapters, base = call(trainers, "sizes")[0]
     assert sent == 4 * (base if merge else adapters)
-    if not merge:
-        assert ray.get(engines[0].get_version.remote()) == 2  # the start (0), then two syncs
     for a in trainers + engines:
         ray.kill(a)
     ray.util.remove_placement_group(pg)

@@ -188,7 +188,7 @@ def test_a_parked_model_trains_on_as_before(one_rank_group, tiny_model):
             optimizer.zero_grad()
             losses[moved].append(loss.item())
             if moved:
-                memory.to_host(model, optimizer)
+                memory.to_device(model, optimizer, "cpu")
                 memory.to_device(model, optimizer, torch.device("cpu"))
     assert losses[True] == losses[False] and losses[True][0] != losses[True][-1]
 
@@ -220,7 +220,7 @@ def test_a_parked_model_gives_its_gpu_memory_back(one_rank_group, tiny_model):
             losses[moved].append(loss.item())
             if moved:
                 held = torch.cuda.memory_allocated()
-                memory.to_host(model, optimizer)
+                memory.to_device(model, optimizer, "cpu")
                 states = (
                     sum(p.numel() for p in model.parameters()) * 12
                 )  # fp32 weights + AdamW's two moments

@@ -214,7 +214,6 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
         if colocate:
             call(engines, "wake_up", ["kv_cache"])
         assert call(trainers, "check")[0] <= 0.25  # the probe, at bf16's tolerance: its gap
-        assert ray.get(engines[0].get_version.remote()) == 1
         trainer_lp, engine_lp, _ = sample_and_score(engines, trainers, prompts, 0.8)
         assert (trainer_lp - engine_lp).abs().mean() < TOLERANCE["logprob_mean"]
 
