@@ -1,6 +1,5 @@
-"""The flag groups that are the same in every script and edited by no variant, declared once: a
-script's `class Args(LoRA, Engines, Resources, Experiment)` starts with them (tyro lists them
-first, as if written in the script), then declares its own. The command line is the script's."""
+"""The flag groups every script has and no variant edits, declared once: `class Args(LoRA, Engines,
+Resources, Experiment)` starts with them (tyro lists them first), then a script adds its own."""
 
 import dataclasses
 import os
@@ -39,8 +38,7 @@ class Resources:
     num_trainers: Annotated[int, ">= 1"] = 1
     """FSDP2 trainer ranks (one GPU each on GPU; share the cores on CPU)"""
     sp_size: Annotated[int, ">= 1"] = 1
-    """ring attention: split every packed row over this many ranks (a group of trainer ranks is
-    DP x --sp-size)"""
+    """ring attention: split every packed row over this many ranks (trainer ranks = DP x this)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~30% more compute"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -58,13 +56,12 @@ class Engines:  # the RL scripts'
     """GPU: fraction of GPU memory for vLLM (default 0.85, colocated 0.4); CPU: GiB of KV cache
     (default 1)"""
     lora_merge_sync: bool = False
-    """LoRA: send the engines merged full weights instead of the adapters (models vLLM has no LoRA
-    for)"""
+    """LoRA: send the engines merged weights, not the adapters (for models vLLM has no LoRA for)"""
 
 
 @dataclasses.dataclass
 class LoRA:  # off by default: adapters on a frozen base model, common/lora.py
-    lora_rank: Annotated[int, ">= 0"] = 0
+    lora_rank: Annotated[int, ">= 0, <= 512"] = 0  # vLLM's limit (lora.VLLM_RANKS)
     """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
     adapters reach the optimizer (and the engines)"""
     lora_alpha: Annotated[float | None, "> 0"] = None

@@ -1,5 +1,4 @@
-"""Greedy accuracy without engines (sft.py, dpo.py): the trainer ranks complete held-out `prompt` +
-`answer` rows greedily with HF generate, and the script's reward_fn scores each completion."""
+"""Greedy accuracy without engines (sft.py, dpo.py): HF generate on the trainer ranks, reward_fn."""
 
 import torch
 

@@ -38,8 +38,6 @@ def check_args(args) -> None:
         if given:
             raise InputError(f"--{given[0].replace('_', '-')} needs --lora-rank (LoRA is off)")
         return
-    if args.lora_rank > VLLM_RANKS[-1]:
-        raise InputError(f"--lora-rank {args.lora_rank}: at most {VLLM_RANKS[-1]} (vLLM's limit)")
     if not targets(args):
         raise InputError("--lora-target-modules is empty: name the linear layers to adapt")
 

@@ -56,6 +56,10 @@ class Run:
 
             run_name = os.path.basename(self.dir)
             self.wandb = wandb.init(project=args.wandb_project, name=run_name, config=config)
+        from tqdm import tqdm  # a progress bar on a terminal (stderr); the lines print above it
+
+        on = dict(file=sys.stderr, disable=not sys.stderr.isatty(), dynamic_ncols=True, leave=False)
+        self.bar = tqdm(total=args.num_steps, initial=resume_step, unit="step", **on)
 
     def log(self, step: int, metrics: dict, console_keys: tuple[str, ...] = ()):
         plain = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}  # no tensors
@@ -67,19 +71,22 @@ class Run:
         if console_keys:
             parts = [f"step {step}"] + [_fmt(k, row[k]) for k in console_keys if k in row]
             self.print(" | ".join(parts))
+        self.bar.update(step - self.bar.n)
 
     def log_samples(self, step: int, rows: list[dict]):
         with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
             f.writelines(_json_line({"step": step, **r}) for r in rows)
 
     def print(self, line: str):
-        print(line, flush=True)
+        with self.bar.external_write_mode():
+            print(line, flush=True)
 
     def checkpoint_dir(self, step: int | str) -> str:
         name = f"step_{step}" if isinstance(step, int) else step
         return os.path.join(self.dir, "checkpoints", name)
 
     def close(self):
+        self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
 
