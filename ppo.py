@@ -721,8 +721,10 @@ def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args
                           tok=range(lengths[i]), loss_weights=w)
             for i, w in zip(mini, weights)
         ]  # fmt: skip
-        for n, share in zip(sizes, shares):
-            micros = data.split_for_ranks(seqs, n, args.max_tokens_per_micro_batch, args.sp_size)
+        for ranks, share in zip(sizes, shares):
+            micros = data.split_for_ranks(
+                seqs, ranks, args.max_tokens_per_micro_batch, args.sp_size
+            )
             for rank, micro in enumerate(micros):
                 share[rank].append(micro)
     return shares

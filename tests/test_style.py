@@ -27,7 +27,7 @@ BUDGET = {  # + the entropy hook; + composed rewards (--verifier-weight, rollout
     "rm.py": 405,
     "dpo.py": 449,
     "grpo.py": 576,
-    "ppo.py": 893,  # the policy's and the critic's update, the reward model actor
+    "ppo.py": 895,  # the policy's and the critic's update, the reward model actor
     "dapo.py": 622,  # its rounds carry each group's reward terms
     "grpo_async.py": 656,  # its reward workers return the terms
 }
