@@ -178,10 +178,9 @@ def compute_loss(logprobs, ref_logprobs, args: Args) -> tuple[torch.Tensor, torc
 
 
 def compute_pair_losses(model, ref, mb: dict, args: Args, sp_group=None):
-    """The (P,) losses and (P, 2) implicit rewards of one packed micro-batch of pairs (this rank's
-    part of it): each response's log π(y|x) under π_θ and, without gradient, under π_ref, then
-    compute_loss. A loss that needs another per-response sum (a length, ...) gets it here, from
-    per-token values through sequence_sums as in sequence_logprobs."""
+    """(P,) losses and (P, 2) implicit rewards of this rank's part of a micro-batch of pairs: log
+    π(y|x) under π_θ and π_ref (no gradient), then compute_loss. Another per-response sum (a length,
+    ...) goes here, through sequence_sums as in sequence_logprobs."""
     with torch.no_grad():
         ref_logprobs = sequence_logprobs(ref, mb, sp_group)  # (P, 2)
     return compute_loss(sequence_logprobs(model, mb, sp_group), ref_logprobs, args)
@@ -213,12 +212,6 @@ def pair_metrics(prefix: str, sums: list[dict], args: Args) -> dict:
     return {f"{prefix}/{k}": sum(s[k] for s in sums) / n for k in keys}
 
 
-def time_metrics(elapsed: float, batch: list[dict]) -> dict:
-    """Seconds per step; throughput over every token trained on, prompts included."""
-    tokens = sum(len(s["input_ids"]) for s in batch)
-    return {"time/step": elapsed, "perf/tokens_per_s": tokens / elapsed}
-
-
 # TRY NOT TO MODIFY: the data plumbing.
 def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> dict:
     """One packing unit from (ids, response mask) of prompt + chosen and of prompt + rejected, in
@@ -237,8 +230,7 @@ def make_pair(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], li
 # ALGO LOGIC: the update and the evaluation, run on every trainer rank (common/trainer.py's shell
 # holds the model, the frozen π_ref and the optimizer).
 def pair_losses(trainer, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P,) losses and (P, 2) implicit rewards β Δ (chosen, rejected) of one packed micro-batch of
-    pairs."""
+    """compute_pair_losses on this rank's device and part of a micro-batch (plumbing)."""
     mb = {k: v.to(trainer.device) for k, v in mb.items()}
     mb["seq_index"] = (mb["positions"] == 0).cumsum(1) - 1  # (1, T) each token's sequence
     mb["num_seqs"] = mb["seq_index"][0, -1] + 1
@@ -287,25 +279,26 @@ def main(args: Args):
     trainers = placement.start_trainers(Trainer, use_gpu, args.num_trainers, *shell)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
-    run = Run(args, run_dir, resume_step)
+    run = Run(args, run_dir, resume_step, args.num_steps)
     run.print(f"run dir: {run.dir}  model: {args.model}  train pairs: {len(pairs['train'])}")
+
+    # a batch: dealt to the DP groups (balanced by tokens), packed into micro-batches, SP-split
+    split = (args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size)
 
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in pairs:
-            sums = call(trainers, eval_pairs, per_rank=plan_micro_batches(pairs["eval"], args))
+            sums = call(trainers, eval_pairs, per_rank=data.split_for_ranks(pairs["eval"], *split))
             metrics.update(pair_metrics("eval", sums, args))
         if accuracy:  # greedy generation on the trainers, scored by the rule verifier
-            accuracy_value, samples = greedy.accuracy(
+            metrics["eval/greedy_accuracy"], samples = greedy.accuracy(
                 trainers, *accuracy, tokenizer, args.max_new_tokens, reward_fn
             )
-            metrics["eval/greedy_accuracy"] = accuracy_value
             run.log_samples(step, samples)
         return metrics
 
     # ---- training loop ----
-    console = ("train/loss", "train/accuracy", "train/margin", "eval/loss", "eval/accuracy")
-    console += ("eval/greedy_accuracy",)
+    console = ("eval/loss", "eval/accuracy", "eval/greedy_accuracy")  # after every train/* but lr
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, console)
@@ -313,19 +306,22 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
-        shares = plan_micro_batches(batch, args)
+        shares = data.split_for_ranks(batch, *split)
         results = call(trainers, train_step, len(batch), step, per_rank=shares)
+        elapsed = time.time() - t0  # throughput: every token trained on, prompts included
         metrics = {
             **pair_metrics("train", results, args),
             "train/grad_norm": results[0]["grad_norm"],
             "train/lr": results[0]["lr"],
-            **time_metrics(time.time() - t0, batch),
+            "time/step": elapsed,
+            "perf/tokens_per_s": sum(len(s["input_ids"]) for s in batch) / elapsed,
         }
 
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
             metrics.update(evaluate(done))
-        run.log(done, metrics, console)
+        update = [k for k in metrics if k.startswith("train/") and k != "train/lr"]
+        run.log(done, metrics, (*update, *console))
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)
@@ -343,15 +339,6 @@ def main(args: Args):
     ray.shutdown()
 
 
-# TRY NOT TO MODIFY: the loop's plumbing.
-def plan_micro_batches(batch: list[dict], args: Args) -> list[list[dict]]:
-    """Deal a batch to the data-parallel groups (balanced by tokens) and pack each share into
-    micro-batches of --max-tokens-per-micro-batch; the --sp-size ranks of a group get the same."""
-    return data.split_for_ranks(
-        batch, args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size
-    )
-
-
 # SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
 def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
@@ -359,11 +346,7 @@ def validate_args(args: Args) -> None:
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
     lora.check_args(args)
-    if args.num_trainers % args.sp_size:
-        raise InputError(
-            f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
-        )
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups (each splits rows over SP)
+    dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if args.batch_size % dp_size:
         raise InputError(
             f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups"
@@ -383,7 +366,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     """The checks that need the file system or the machine: the output dir or the run to resume
     (same script and model, a whole checkpoint), the wandb login, the GPUs. Returns whether to use
     GPUs, and (run dir, checkpoint, step) to resume or None."""
-    resume = checkpoint.check_start(args, script)  # --resume, or a new run
+    resume = checkpoint.check_start(args, script, args.model, args.num_steps)  # or a new run
     use_gpu = placement.choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are enough
     args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     return use_gpu, resume
@@ -402,8 +385,8 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     accuracy_rows = read_prompts(args.accuracy_dataset, args.eval_split)[0]
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
-    lora.check_model(args, model_path)
-    memory.check_run(args, use_gpu, model_path, reference=True)  # a run that cannot fit stops here
+    lora.check_model(args, model_path, args.model)
+    memory.check_run(args, use_gpu, model_path, True, tokens=args.max_tokens_per_micro_batch)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pairs = {split: encode_pairs(*rows, tokenizer, args) for split, rows in datasets.items()}
     train, source = len(pairs["train"]), datasets["train"][1]
@@ -415,22 +398,11 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
 def encode_pairs(rows: list[dict], source: str, tokenizer, args: Args) -> list[dict]:
     """Tokenize prompt + chosen and prompt + rejected of every row with the chat template. Pairs
     over --max-length stop the run, naming the first, or with --drop-long are left out."""
-    sides = ("chosen", "rejected")
-    encoded = [
-        tuple(data.encode_example(tokenizer, r["prompt"], r[s]) for s in sides) for r in rows
-    ]
+    sides = ("chosen", "rejected")  # (ids, response mask) of prompt + each
+    encoded = [[data.encode_example(tokenizer, r["prompt"], r[s]) for s in sides] for r in rows]
     lengths = [max(len(c[0]), len(r[0])) for c, r in encoded]
-    too_long = [i + 1 for i, n in enumerate(lengths) if n > args.max_length]
-    if too_long and not args.drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} pairs are longer than --max-length "
-            f"{args.max_length} tokens (first: row {too_long[0]}); raise --max-length or pass "
-            "--drop-long"
-        )
-    pairs = [make_pair(c, r) for (c, r), n in zip(encoded, lengths) if n <= args.max_length]
-    if not pairs:
-        raise InputError(f"{source}: no pairs left within --max-length")
-    return pairs
+    pairs = [make_pair(c, r) for c, r in encoded]
+    return data.within(pairs, lengths, args.max_length, args.drop_long, source, "pairs")
 
 
 def trainer_shell(args: Args, *paths: str) -> tuple:
@@ -438,10 +410,9 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
                     gradient_checkpointing=args.gradient_checkpointing, frozen=["ref_logprobs"],
-                    learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                    num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
-                    weight_decay=args.weight_decay,
-                    max_grad_norm=args.max_grad_norm)  # fmt: skip
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    warmup_steps=args.warmup_steps, num_steps=args.num_steps,
+                    min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_policy, paths, settings, args
 
 

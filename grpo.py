@@ -353,7 +353,7 @@ def main(args: Args):
     trainers, engines = start_actors(args, use_gpu, model_path, resume_ckpt)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
-    run = Run(args, run_dir, resume_step)
+    run = Run(args, run_dir, resume_step, args.num_steps)
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  G: {G}")
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
     timeout = args.reward_timeout  # seconds one reward call may take
@@ -470,11 +470,7 @@ def validate_args(args: Args) -> None:
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
     lora.check_args(args)
-    if args.num_trainers % args.sp_size:
-        raise InputError(
-            f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
-        )
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups (each splits rows over SP)
+    dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if (args.prompts_per_step * args.num_generations) % (args.num_minibatches * dp_size):
         raise InputError(
             "--prompts-per-step x --num-generations must divide into --num-minibatches x "
@@ -499,7 +495,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     (same script and model, a whole checkpoint), the wandb login, the GPUs and the layout (one GPU:
     colocated, which it prints). Returns whether to use GPUs, and (run dir, checkpoint, step) to
     resume or None."""
-    resume = checkpoint.check_start(args, script)  # --resume, or a new run
+    resume = checkpoint.check_start(args, script, args.model, args.num_steps)  # or a new run
     apart = args.num_trainers + args.num_engines * args.engine_tp  # GPUs, every actor on its own
     pairs = args.engine_tp == 1 and args.num_engines == args.num_trainers  # engine i: rank i's GPU
     shared = args.num_trainers if pairs else None
@@ -521,9 +517,11 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
-    lora.check_model(args, model_path)
+    lora.check_model(args, model_path, args.model)
     entropy = "entropy" in policy_values(args)  # the LM head's chunks: one more
-    memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), entropy=entropy)
+    memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), colocate=args.colocate,
+                     tokens=args.max_tokens_per_micro_batch, top_p=args.top_p, entropy=entropy,
+                     longest=args.max_prompt_length + args.max_response_length)  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
@@ -540,7 +538,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     the weight sync. Returns (trainers, engines)."""
     layout = placement.Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate
-    )
+    )  # fmt: skip
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path
@@ -551,8 +549,8 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
         pg, layout.engines, model_path=model_path if args.lora_rank else policy, seed=args.seed,
         backend=backend, lora=lora.engine_lora(args),
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu, sleep_mode=args.colocate,
-        memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
+        use_gpu=use_gpu, sleep_mode=args.colocate, dtype=args.dtype,
+        memory=memory.engine_memory(args, use_gpu, args.colocate),
     )  # fmt: skip
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     sync = (args.engine_tp, args.lora_merge_sync)

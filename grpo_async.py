@@ -376,7 +376,7 @@ def main(args: Args):
     trainers, engines = start_actors(args, use_gpu, model_path, resume_ckpt)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
-    run = Run(args, run_dir, resume_step)
+    run = Run(args, run_dir, resume_step, args.num_steps)
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  G: {G}")
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
     timeout = args.reward_timeout  # seconds one reward call may take
@@ -556,11 +556,7 @@ def validate_args(args: Args) -> None:
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
     lora.check_args(args)
-    if args.num_trainers % args.sp_size:
-        raise InputError(
-            f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
-        )
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups (each splits rows over SP)
+    dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if (args.prompts_per_step * args.num_generations) % (args.num_minibatches * dp_size):
         raise InputError(
             "--prompts-per-step x --num-generations must divide into --num-minibatches x "
@@ -581,7 +577,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     (same script and model, a whole checkpoint), the wandb login, the GPUs and the layout (one GPU:
     colocated, which it prints). Returns whether to use GPUs, and (run dir, checkpoint, step) to
     resume or None."""
-    resume = checkpoint.check_start(args, script)  # --resume, or a new run
+    resume = checkpoint.check_start(args, script, args.model, args.num_steps)  # or a new run
     apart = args.num_trainers + args.num_engines * args.engine_tp  # GPUs, every actor on its own
     why = " (its engines generate while its trainers train, so they cannot share a GPU)"  # ASYNC
     use_gpu, _ = placement.choose_layout(apart, None, False, why)  # ASYNC: never colocated
@@ -602,9 +598,11 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
-    lora.check_model(args, model_path)
+    lora.check_model(args, model_path, args.model)
     entropy = "entropy" in policy_values(args)  # the LM head's chunks: one more
-    memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), entropy=entropy)
+    memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)),  # ASYNC: no --colocate
+                     tokens=args.max_tokens_per_micro_batch, top_p=args.top_p, entropy=entropy,
+                     longest=args.max_prompt_length + args.max_response_length)  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
@@ -619,8 +617,9 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     """Start Ray, place the trainers and engines (common/placement.py's Layout), load the policy in
     both (the model, or the checkpoint to resume; π_ref is always the model), and connect them for
     the weight sync. Returns (trainers, engines)."""
-    # ASYNC: never colocated
-    layout = placement.Layout(use_gpu, args.num_trainers, args.num_engines, args.engine_tp)
+    layout = placement.Layout(
+        use_gpu, args.num_trainers, args.num_engines, args.engine_tp, False  # ASYNC: apart
+    )  # fmt: skip
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path

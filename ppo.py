@@ -34,7 +34,7 @@ from typing import Annotated
 import ray
 import torch
 from transformers import AutoConfig, AutoTokenizer
-from transformers import AutoModelForSequenceClassification as AutoScoreModel  # critic, reward
+from transformers import AutoModelForSequenceClassification as AutoScoreModel  # the critic
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the updates and the loop use.
@@ -44,9 +44,8 @@ from common.engines import generate, spawn_engines
 from common.errors import InputError, check_ranges, parse_args
 from common.flags import Engines, Experiment, LoRA, Resources
 from common.lm_head import token_logprobs
-from common.memory import to_device
 from common.placement import call, wait_all
-from common.precision import choose_dtype, compute_dtype
+from common.precision import choose_dtype
 from common.prompts import encode_prompts, read_prompts
 from common.rewards import composed_reward, reward_terms, score_responses
 from common.tracking import Run
@@ -387,8 +386,7 @@ def engine_metrics(responses: list[dict], logprobs, mask) -> dict:
 
 
 def time_metrics(times: tuple, generated_tokens: int, trained_tokens: int) -> dict:
-    """Seconds per phase from the step's (start, generated, scored, forward, trained, synced) times;
-    throughput (training: the policy's and the critic's tokens)."""
+    """Seconds per phase (the step's times); throughput (training: the policy's and critic's)."""
     t0, t_gen, t_score, t_fwd, t_train, t_sync = times
     return {
         "time/generate": t_gen - t0,
@@ -410,10 +408,9 @@ def reward_model_input(tokenizer, prompt, response: str) -> list[int]:
 
 
 def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.Tensor:
-    """(B, T) left-aligned per-token values from the actors' forward outputs. results[rank] holds,
-    per micro-batch, (N,) tensors over the response tokens the rank holds, with each token's
-    sequence and place in its response, `seq_id` and `tok` (with --sp-size, a row's tokens are
-    spread over the SP group)."""
+    """(B, T) left-aligned per-token values from the actors' forward outputs: results[rank], per
+    micro-batch, (N,) tensors over the response tokens the rank holds (--sp-size: a row's tokens
+    are spread over the SP group), with each one's sequence and place in it, `seq_id` and `tok`."""
     out = torch.zeros(len(lengths), max(lengths))
     for per_rank in results:
         for mb in per_rank:
@@ -458,8 +455,7 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 else:
                     logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
                 loss, token_stats = compute_loss(logprobs, values, args)
-                # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
-                real = mb["loss_scale"].item()
+                real = mb["loss_scale"].item()  # 0: a filler micro-batch (ranks in lock-step)
                 loss = loss * mb["loss_scale"]
                 # FSDP averages over ranks: undo it; float16: × the loss scale S
                 trainer.loss_scale.backward(loss * trainer.world_size)
@@ -513,39 +509,6 @@ def critic_train_step(critic, minibatches: list[list[dict]], step: int) -> dict:
     return {**stats, "token_sums": dict(sums)}
 
 
-# TRY NOT TO MODIFY: the reward model, frozen, one actor (rm.py's head at the last real token).
-@ray.remote
-class RewardModel:
-    def __init__(self, path: str, offload: bool, dtype: str = "auto"):
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        torch.set_num_threads(os.cpu_count() or 1)  # Ray gives a num_cpus=1 actor one thread
-        compute = compute_dtype(self.device, dtype)  # the run's (--dtype), fp32 on CPU
-        model = AutoScoreModel.from_pretrained(path, num_labels=1, dtype=compute)
-        # offload: the hybrid engine is short of memory, so the model is on the GPU only to score
-        self.model, self.offload = model.eval(), offload
-        self.model.to("cpu" if offload else self.device)
-
-    @torch.no_grad()
-    def rewards(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:
-        """r(x, y) of each prompt + response: right-padded batches, the head at the last token."""
-        if self.offload:
-            to_device(self.model, None, self.device)
-        out = []
-        for i in range(0, len(sequences), batch_size):
-            chunk = sequences[i : i + batch_size]
-            width = max(len(s) for s in chunk)
-            ids = torch.tensor([s + [0] * (width - len(s)) for s in chunk], device=self.device)
-            real = [[1] * len(s) + [0] * (width - len(s)) for s in chunk]
-            mask = torch.tensor(real, device=self.device)
-            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-            rows = torch.arange(len(chunk), device=self.device)
-            last = hidden[rows, mask.sum(dim=1) - 1]  # (b, H): each sequence's last real token
-            out += self.model.score(last)[:, 0].float().tolist()  # `score`: the head's name in HF
-        if self.offload:
-            to_device(self.model, None, "cpu")
-        return out
-
-
 def main(args: Args):
     # ---- check everything cheap, then start Ray and the actors (SETUP AND CHECKS below) ----
     validate_args(args)
@@ -560,7 +523,7 @@ def main(args: Args):
         call(critics, "load_optimizer", paths["critic"])
         with open(os.path.join(resume_ckpt, "ppo_state.json")) as f:
             kl_coef = json.load(f)["kl_coef"]
-    run = Run(args, run_dir, resume_step)
+    run = Run(args, run_dir, resume_step, args.num_steps)
     reward = f"reward model {args.reward_model}" if args.reward_model else "rule verifier"
     what = f"prompts: {len(prompts['train'])}  reward: {reward}"
     run.print(f"run dir: {run.dir}  model: {args.model}  {what}")
@@ -651,8 +614,7 @@ def main(args: Args):
 
         # ---- log ----
         times = (t0, t_gen, t_score, t_fwd, t_train, t_sync)
-        trained = sum(len(batch[i // n].ids) + lengths[i] for i in range(len(responses)))
-        trained *= args.num_epochs
+        trained = args.num_epochs * sum(len(batch[i // n].ids) + k for i, k in enumerate(lengths))
         metrics |= {
             **rollout_metrics(scores, parts, responses, values, returns, mask),
             **train_metrics(*results, args, values, returns, mask),
@@ -666,11 +628,8 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k not in quiet]
         run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
-        rows = [
-            {"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer,
-             "reward": scores[i].item()}
-            for i in range(min(len(texts), 2 * n))
-        ]  # fmt: skip
+        rows = [{"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer,
+                 "reward": scores[i].item()} for i in range(min(len(texts), 2 * n))]  # fmt: skip
         run.log_samples(done, rows)
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             save(done)
@@ -688,9 +647,8 @@ def main(args: Args):
 
 # TRY NOT TO MODIFY: the loop's plumbing.
 def call_groups(trainers: list, critics: list, fns: tuple, shares: tuple, *args, parallel: bool):
-    """Run fns[0] on the policy group and fns[1] on the critic group (common/trainer.py's shells),
-    each rank with its share. On GPUs of their own the groups run side by side; sharing GPUs (the
-    hybrid engine) or CPU cores, one after the other."""
+    """fns[0] on the policy group, fns[1] on the critic group, each rank with its share: side by
+    side on GPUs of their own, one after the other sharing GPUs (the hybrid engine) or CPU cores."""
     if not parallel:
         policy = call(trainers, fns[0], *args, per_rank=shares[0])
         return policy, call(critics, fns[1], *args, per_rank=shares[1])
@@ -703,12 +661,10 @@ def call_groups(trainers: list, critics: list, fns: tuple, shares: tuple, *args,
 
 
 def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args: Args) -> tuple:
-    """The step's sequences, built and packed once: the forward passes (π_θold, π_ref, V_old) and
-    the training passes run on the same micro-batches. Responses in a seeded shuffle are dealt into
-    --num-minibatches minibatches, each token weighted by loss_weights (the aggregation), packed
-    for each group's data-parallel ranks. Returns shares[group][rank][minibatch] = micro-batches
-    (group 0: the policy, 1: the critic); every response token carries its sequence and its place
-    in the response (seq_id, tok) for fill_token_values."""
+    """The step's sequences, packed once: the forward passes (π_θold, π_ref, V_old) and the training
+    passes run on the same micro-batches. Responses, shuffled (seeded), are dealt into minibatches,
+    each token weighted by loss_weights, packed for each group's ranks: shares[group][rank][mini]
+    (0: policy, 1: critic); each response token carries (seq_id, tok) for fill_token_values."""
     n, lengths = args.samples_per_prompt, [len(s["token_ids"]) for s in responses]
     seed = torch.Generator().manual_seed(args.seed + step)
     order = torch.randperm(len(responses), generator=seed).tolist()
@@ -779,10 +735,9 @@ def validate_args(args: Args) -> None:
 
 def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     """The checks that need the file system or the machine: the output dir or the run to resume
-    (same script and model, whole checkpoints of the policy and the critic), the wandb login, the
-    GPUs and the layout (too few GPUs: the hybrid engine, which it prints). Returns whether to use
-    GPUs, and (run dir, checkpoint, step) to resume or None."""
-    resume = checkpoint.check_start(args, script)  # --resume, or a new run
+    (whole checkpoints of the policy and the critic), the wandb login, the GPUs and the layout (too
+    few: the hybrid engine). Returns whether to use GPUs and (run dir, checkpoint, step) or None."""
+    resume = checkpoint.check_start(args, script, args.model, args.num_steps)  # or a new run
     if resume:  # the critic and β resume too
         checkpoint.check(os.path.join(resume[1], "critic"))
         if not os.path.isfile(os.path.join(resume[1], "ppo_state.json")):
@@ -820,11 +775,14 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     models.check_weights(model_path, "model")
     critic_path = models.resolve_model(args.critic_model) if args.critic_model else model_path
     models.check_weights(critic_path, "--critic-model")
-    lora.check_model(args, model_path)
-    lora.check_model(args, critic_path)
+    lora.check_model(args, model_path, args.model)
+    lora.check_model(args, critic_path, args.critic_model or args.model)
     # a run that cannot fit stops here; colocated, the critic and reward model may wait in host RAM
-    planned = (model_path, True, critic_path, reward_model_path)  # policy, π_ref, critic, RM
-    offload = memory.check_run(args, use_gpu, *planned, entropy="entropy" in policy_values(args))
+    offload = memory.check_run(args, use_gpu, model_path, True, critic_path, reward_model_path,
+                               tokens=args.max_tokens_per_micro_batch, top_p=args.top_p,
+                               longest=args.max_prompt_length + args.max_response_length,
+                               colocate=args.colocate, critics=args.num_critics,
+                               entropy="entropy" in policy_values(args))  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
@@ -832,19 +790,16 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     }
     train, source = len(prompts["train"]), datasets["train"][1]
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
-    paths = {"policy": resume_ckpt or model_path, "reference": model_path}
+    paths = {"policy": resume_ckpt or model_path, "reference": model_path,
+             "critic_start": critic_path, "reward_model": reward_model_path}  # fmt: skip
     paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
-    paths["critic_start"] = critic_path
-    paths["reward_model"] = reward_model_path
     return paths, tokenizer, prompts, terms, offload
 
 
 def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple:
-    """Start Ray; place and start the policy trainers, the critics, the reward model (if any) and
-    the engines (common/placement.py's Layout); connect trainers and engines for the weight sync.
-    `paths`: where each loads from (on --resume the checkpoint, except π_ref: always the start
-    model). `offload`: the critic and the reward model wait in host RAM when idle (the memory plan's
-    choice)."""
+    """Start Ray; place (placement.Layout) and start the policy trainers, critics, reward model (if
+    any) and engines; connect trainers and engines for the weight sync. `paths`: where each loads
+    from (--resume: the checkpoint; π_ref: the start model). `offload`: the memory plan's choice."""
     rm = args.reward_model is not None
     sizes = (args.num_trainers, args.num_engines, args.engine_tp, args.colocate, args.num_critics)
     layout = placement.Layout(use_gpu, *sizes, rm)
@@ -856,7 +811,7 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
     reward_model = None
     if rm:
         options = layout.reward_model.options(pg)
-        reward_model = RewardModel.options(**options).remote(
+        reward_model = models.RewardModel.options(**options).remote(
             paths["reward_model"], offload, args.dtype
         )
         placement.wait_started([reward_model])
@@ -865,8 +820,8 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
         pg, layout.engines, model_path=paths["reference" if args.lora_rank else "policy"],
         seed=args.seed, backend=backend, lora=lora.engine_lora(args),
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu, sleep_mode=args.colocate,
-        memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
+        use_gpu=use_gpu, sleep_mode=args.colocate, dtype=args.dtype,
+        memory=memory.engine_memory(args, use_gpu, args.colocate),
     )  # fmt: skip
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     sync = (args.engine_tp, args.lora_merge_sync)
@@ -881,10 +836,10 @@ def trainer_shells(args: Args, paths: dict, offload: bool) -> tuple:
                 gradient_checkpointing=args.gradient_checkpointing, weight_decay=args.weight_decay,
                 max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
                 num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
-    policy = dict(both, lora=lora.spec(args), frozen=["ref_logprobs"])
-    policy["learning_rate"] = args.learning_rate
-    critic = dict(both, lora=lora.spec(args, whole=("score",)), frozen=[], offload=offload)
-    critic["learning_rate"] = args.critic_learning_rate  # the critic's own optimizer
+    policy = dict(both, lora=lora.spec(args), frozen=["ref_logprobs"],
+                  learning_rate=args.learning_rate)  # fmt: skip
+    critic = dict(both, lora=lora.spec(args, whole=("score",)), frozen=[], offload=offload,
+                  learning_rate=args.critic_learning_rate)  # fmt: skip  # its own optimizer
     return (
         (load_policy, (paths["policy"], paths["reference"]), policy, args),
         (load_critic, (paths["critic"], paths["critic_start"]), critic, args),

@@ -165,12 +165,6 @@ def pair_metrics(prefix: str, sums: list[dict], num_pairs: float) -> dict:
     return {f"{prefix}/{key}": sum(s[key] for s in sums) / num_pairs for key in keys}
 
 
-def time_metrics(elapsed: float, batch: list[dict]) -> dict:
-    """Seconds per step; throughput over every token trained on, prompts included."""
-    tokens = sum(len(s["input_ids"]) for s in batch)
-    return {"time/step": elapsed, "perf/tokens_per_s": tokens / elapsed}
-
-
 # TRY NOT TO MODIFY: the data plumbing.
 def make_pair(chosen: list[int], rejected: list[int], margin: float) -> dict[str, list]:
     """One packing unit: chosen then rejected, so a pair never straddles micro-batches or ranks.
@@ -244,13 +238,16 @@ def main(args: Args):
     trainers = placement.start_trainers(Trainer, use_gpu, args.num_trainers, *shell)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
-    run = Run(args, run_dir, resume_step)
+    run = Run(args, run_dir, resume_step, args.num_steps)
     run.print(f"run dir: {run.dir}  model: {args.model}  train pairs: {len(pairs['train'])}")
+
+    # a batch: dealt to the DP groups (balanced by tokens), packed into micro-batches, SP-split
+    split = (args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size)
 
     def evaluate() -> dict:
         if "eval" not in pairs:
             return {}
-        sums = call(trainers, eval_pairs, per_rank=plan_micro_batches(pairs["eval"], args))
+        sums = call(trainers, eval_pairs, per_rank=data.split_for_ranks(pairs["eval"], *split))
         sums = sums[:: args.sp_size]  # the ranks of an SP group report the same pairs: once each
         return pair_metrics("eval", sums, sum(s["pairs"] for s in sums))
 
@@ -263,14 +260,16 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
-        shares = plan_micro_batches(batch, args)
+        shares = data.split_for_ranks(batch, *split)
         results = call(trainers, train_step, len(batch), step, per_rank=shares)
         results = results[:: args.sp_size]  # one rank per SP group
+        elapsed = time.time() - t0  # throughput: every token trained on, prompts included
         metrics = {
             **pair_metrics("train", results, len(batch)),
             "train/grad_norm": results[0]["grad_norm"],
             "train/lr": results[0]["lr"],
-            **time_metrics(time.time() - t0, batch),
+            "time/step": elapsed,
+            "perf/tokens_per_s": sum(len(s["input_ids"]) for s in batch) / elapsed,
         }
 
         done = step + 1
@@ -295,15 +294,6 @@ def main(args: Args):
     ray.shutdown()
 
 
-# TRY NOT TO MODIFY: the loop's plumbing.
-def plan_micro_batches(batch: list[dict], args: Args) -> list[list[dict]]:
-    """Deal a batch to the data-parallel groups (balanced by tokens) and pack each share into
-    micro-batches of --max-tokens-per-micro-batch; the --sp-size ranks of a group get the same."""
-    return data.split_for_ranks(
-        batch, args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size
-    )
-
-
 # SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
 def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
@@ -311,11 +301,7 @@ def validate_args(args: Args) -> None:
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
     lora.check_args(args)
-    if args.num_trainers % args.sp_size:
-        raise InputError(
-            f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
-        )
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups (each splits rows over SP)
+    dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if args.batch_size % dp_size:
         raise InputError(
             f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups"
@@ -333,7 +319,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     """The checks that need the file system or the machine: the output dir or the run to resume
     (same script and model, a whole checkpoint), the wandb login, the GPUs. Returns whether to use
     GPUs, and (run dir, checkpoint, step) to resume or None."""
-    resume = checkpoint.check_start(args, script)  # --resume, or a new run
+    resume = checkpoint.check_start(args, script, args.model, args.num_steps)  # or a new run
     use_gpu = placement.choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are enough
     args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     return use_gpu, resume
@@ -356,8 +342,10 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple[str, dict[str, list[dict]
                 raise InputError(f"{source}: {what}")
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
-    lora.check_model(args, model_path)
-    memory.check_run(args, use_gpu, model_path, head="score")  # a run that cannot fit stops here
+    lora.check_model(args, model_path, args.model)
+    memory.check_run(
+        args, use_gpu, model_path, tokens=args.max_tokens_per_micro_batch, head="score"
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pairs = {split: encode_pairs(*rows, tokenizer, args) for split, rows in datasets.items()}
     train, source = len(pairs["train"]), datasets["train"][1]
@@ -371,21 +359,10 @@ def encode_pairs(rows: list[dict], source: str, tokenizer, args: Args) -> list[d
     sides = ("chosen", "rejected")
     encoded = [[data.encode_example(tokenizer, r["prompt"], r[s])[0] for s in sides] for r in rows]
     lengths = [max(len(c), len(r)) for c, r in encoded]
-    too_long = [i + 1 for i, n in enumerate(lengths) if n > args.max_length]
-    if too_long and not args.drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} pairs are longer than --max-length "
-            f"{args.max_length} tokens (first: row {too_long[0]}); raise --max-length or pass "
-            "--drop-long"
-        )
     pairs = [
-        make_pair(c, r, float(row.get("margin", args.margin)))
-        for (c, r), row, n in zip(encoded, rows, lengths)
-        if n <= args.max_length
+        make_pair(c, r, float(row.get("margin", args.margin))) for (c, r), row in zip(encoded, rows)
     ]
-    if not pairs:
-        raise InputError(f"{source}: no pairs left within --max-length")
-    return pairs
+    return data.within(pairs, lengths, args.max_length, args.drop_long, source, "pairs")
 
 
 def trainer_shell(args: Args, *paths: str) -> tuple:
@@ -394,10 +371,9 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, frozen=[],
                     lora=lora.spec(args, whole=("score",)),  # the score head trained whole
                     gradient_checkpointing=args.gradient_checkpointing,
-                    learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                    num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
-                    weight_decay=args.weight_decay,
-                    max_grad_norm=args.max_grad_norm)  # fmt: skip
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    warmup_steps=args.warmup_steps, num_steps=args.num_steps,
+                    min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_reward_model, paths, settings, args
 
 

@@ -137,12 +137,6 @@ def train_metrics(results: list[dict], num_tokens: int) -> dict:
     }
 
 
-def time_metrics(elapsed: float, batch: list[dict]) -> dict:
-    """Seconds per step; throughput over every token trained on, prompts included."""
-    tokens = sum(len(s["input_ids"]) for s in batch)
-    return {"time/step": elapsed, "perf/tokens_per_s": tokens / elapsed}
-
-
 # TRY NOT TO MODIFY: the data plumbing.
 def make_sequence(ids: list[int], mask: list[int]) -> dict[str, list]:
     """Shift once, here: position t predicts labels[t] = ids[t+1], trained iff token t+1 is an
@@ -193,13 +187,18 @@ def main(args: Args):
     trainers = placement.start_trainers(Trainer, use_gpu, args.num_trainers, *shell)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
-    run = Run(args, run_dir, resume_step)
+    run = Run(args, run_dir, resume_step, args.num_steps)
     run.print(f"run dir: {run.dir}  model: {args.model}  train rows: {len(sequences['train'])}")
+
+    # a batch: dealt to the DP groups (balanced by tokens), packed into micro-batches, SP-split
+    split = (args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size)
 
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in sequences:
-            sums = call(trainers, eval_loss, per_rank=plan_micro_batches(sequences["eval"], args))
+            sums = call(
+                trainers, eval_loss, per_rank=data.split_for_ranks(sequences["eval"], *split)
+            )
             metrics["eval/loss"] = sum(s["loss"] for s in sums) / sum(s["tokens"] for s in sums)
         if accuracy:  # greedy generation on the trainers, scored by the rule verifier
             metrics["eval/accuracy"], samples = greedy.accuracy(
@@ -218,9 +217,14 @@ def main(args: Args):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.batch_size, args.seed)]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)  # assistant tokens: the loss's 1/N
-        shares = plan_micro_batches(batch, args)
+        shares = data.split_for_ranks(batch, *split)
         results = call(trainers, train_step, num_tokens, step, per_rank=shares)
-        metrics = {**train_metrics(results, num_tokens), **time_metrics(time.time() - t0, batch)}
+        elapsed = time.time() - t0  # throughput: every token trained on, prompts included
+        metrics = train_metrics(results, num_tokens)
+        metrics |= {
+            "time/step": elapsed,
+            "perf/tokens_per_s": sum(len(s["input_ids"]) for s in batch) / elapsed,
+        }
 
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:
@@ -244,15 +248,6 @@ def main(args: Args):
     ray.shutdown()
 
 
-# TRY NOT TO MODIFY: the loop's plumbing.
-def plan_micro_batches(batch: list[dict], args: Args) -> list[list[dict]]:
-    """Deal a batch to the data-parallel groups (balanced by tokens) and pack each share into
-    micro-batches of --max-tokens-per-micro-batch; the --sp-size ranks of a group get the same."""
-    return data.split_for_ranks(
-        batch, args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size
-    )
-
-
 # SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
 def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
@@ -260,11 +255,7 @@ def validate_args(args: Args) -> None:
     docstring's commands are checked by a test on any machine."""
     check_ranges(args)
     lora.check_args(args)
-    if args.num_trainers % args.sp_size:
-        raise InputError(
-            f"--num-trainers {args.num_trainers} is not a multiple of --sp-size {args.sp_size}"
-        )
-    dp_size = args.num_trainers // args.sp_size  # data-parallel groups (each splits rows over SP)
+    dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if args.batch_size % dp_size:
         raise InputError(
             f"--batch-size {args.batch_size} is not divisible by {dp_size} data-parallel groups"
@@ -281,7 +272,7 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
     """The checks that need the file system or the machine: the output dir or the run to resume
     (same script and model, a whole checkpoint), the wandb login, the GPUs. Returns whether to use
     GPUs, and (run dir, checkpoint, step) to resume or None."""
-    resume = checkpoint.check_start(args, script)  # --resume, or a new run
+    resume = checkpoint.check_start(args, script, args.model, args.num_steps)  # or a new run
     use_gpu = placement.choose_layout(args.num_trainers, None, False)[0]  # GPUs if there are enough
     args.dtype = choose_dtype(args.dtype, use_gpu)  # bf16; fp16 below compute capability 8
     return use_gpu, resume
@@ -299,8 +290,8 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     accuracy_rows = read_prompts(args.accuracy_dataset, args.eval_split)[0]
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
-    lora.check_model(args, model_path)
-    memory.check_run(args, use_gpu, model_path)  # a run that cannot fit stops here
+    lora.check_model(args, model_path, args.model)
+    memory.check_run(args, use_gpu, model_path, tokens=args.max_tokens_per_micro_batch)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     sequences = {split: encode_rows(*rows, tokenizer, args) for split, rows in datasets.items()}
     train, source = len(sequences["train"]), datasets["train"][1]
@@ -317,19 +308,13 @@ def encode_rows(rows: list[dict], source: str, tokenizer, args: Args) -> list[di
         data.encode_example(tokenizer, r.get("messages", r.get("prompt")), r.get("completion"))
         for r in rows
     ]
-    too_long = [i + 1 for i, (ids, _) in enumerate(encoded) if len(ids) > args.max_length]
-    if too_long and not args.drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} rows are longer than --max-length "
-            f"{args.max_length} tokens (first: row {too_long[0]}); raise --max-length or pass "
-            "--drop-long"
-        )
+    lengths = [len(ids) for ids, _ in encoded]
+    kept = data.within(encoded, lengths, args.max_length, args.drop_long, source, "rows")
     silent = sum(1 for _, m in encoded if not sum(m))  # nothing to learn from: no assistant turn
     if silent:
         what = f"{silent} of {len(rows)} rows have no assistant turn"
         print(f"warning: {source}: {what}; they are skipped")
-    kept = [(ids, m) for ids, m in encoded if len(ids) <= args.max_length and sum(m)]
-    sequences = [make_sequence(ids, m) for ids, m in kept]
+    sequences = [make_sequence(ids, m) for ids, m in kept if sum(m)]
     if not sequences:
         raise InputError(f"{source}: no rows left with assistant tokens within --max-length")
     return sequences
@@ -340,10 +325,9 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
                     gradient_checkpointing=args.gradient_checkpointing, frozen=[],
-                    learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                    num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
-                    weight_decay=args.weight_decay,
-                    max_grad_norm=args.max_grad_norm)  # fmt: skip
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    warmup_steps=args.warmup_steps, num_steps=args.num_steps,
+                    min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_policy, paths, settings, args
 
 

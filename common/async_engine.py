@@ -109,10 +109,8 @@ class AsyncEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        request = self._request(token_ids)
-        outs = self.llm.generate(
-            request, params, uuid.uuid4().hex, lora_request=lora_request(self.adapter)
-        )
+        request, lora = self._request(token_ids), lora_request(self.adapter)
+        outs = self.llm.generate(request, params, uuid.uuid4().hex, lora_request=lora)
         outs = [out async for out in outs]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], outs[-1].prompt_logprobs[1:])]
 

@@ -9,6 +9,10 @@ import re
 import shutil
 import zipfile
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as sd
+
 from common import lifetime, lora
 from common.errors import InputError, RunError
 from common.models import check_weights, whole_file
@@ -17,10 +21,6 @@ from common.tracking import check_output_dir, check_tracking, lock_run_dir, writ
 
 def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool) -> None:
     """All ranks gather the full state dict to CPU; rank 0 writes an HF folder + optimizer state."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint.state_dict as sd
-
     opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
     # An eval (forward, no backward) leaves FSDP2's root unsharded, its params not the optimizer's
     model.reshard()  # as get_model_state_dict would, but LoRA's step_N skips that
@@ -75,9 +75,10 @@ def staged(path: str, step: int):
         raise
 
 
-def check_start(args, script: str) -> tuple[str, str, int] | None:
+def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str, int] | None:
     """Before anything starts, the wandb login and a new run's --output-dir (None), or --resume
-    resolved and checked: (run_dir, checkpoint_dir, step)."""
+    resolved and checked against the script, --model, the LoRA flags and --num-steps: (run_dir,
+    checkpoint_dir, step). args: the run's common/flags.py groups (Experiment, LoRA)."""
     check_tracking(args.track)
     if not args.resume:
         return check_output_dir(args.output_dir)
@@ -91,8 +92,8 @@ def check_start(args, script: str) -> tuple[str, str, int] | None:
     made_by = config.get("script") or os.path.basename((config.get("argv") or ["?"])[0])
     if made_by != script:
         raise InputError(f"--resume: {run_dir} was made by {made_by}, not {script}")
-    if (model := config["args"].get("model")) != args.model:
-        raise InputError(f"--resume: the run was made with --model {model}, not {args.model}")
+    if (made_with := config["args"].get("model")) != model:
+        raise InputError(f"--resume: the run was made with --model {made_with}, not {model}")
     saved = config["args"]  # LoRA: the same adapters (shape, scale); a full fine-tuning run: none
     if (rank := saved.get("lora_rank", 0) or 0) != getattr(args, "lora_rank", 0):
         what = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}" if rank else (
@@ -106,13 +107,13 @@ def check_start(args, script: str) -> tuple[str, str, int] | None:
         if theirs != mine:
             raise InputError(f"--resume: the run was made with {flag} {theirs}, not {mine}")
     lock_run_dir(run_dir)
-    if step >= args.num_steps:
+    if step >= num_steps:
         raise InputError(f"--resume: the checkpoint is at step {step}, not before --num-steps "
-                         f"{args.num_steps}: pass a larger --num-steps to continue it")  # fmt: skip
+                         f"{num_steps}: pass a larger --num-steps to continue it")  # fmt: skip
     check(checkpoint)
     check_output_dir(run_dir)
     where = os.path.relpath(checkpoint, os.path.dirname(run_dir))
-    print(f"resume: from {where}, step {step} of {args.num_steps}", flush=True)
+    print(f"resume: from {where}, step {step} of {num_steps}", flush=True)
     return run_dir, checkpoint, step
 
 
@@ -191,13 +192,12 @@ def checkpoint_step(folder: str) -> int | None:
         return int(name[5:]) if re.fullmatch(r"step_\d+", name) else None
 
 
-def check(checkpoint: str) -> None:
+def check(folder: str) -> None:
     """A --resume checkpoint is whole: its weights or LoRA adapters, and trainer_state.pt (zip)."""
-    adapter = os.path.join(checkpoint, lora.ADAPTER, "adapter_model.safetensors")
+    adapter = os.path.join(folder, lora.ADAPTER, "adapter_model.safetensors")
     if not os.path.isdir(os.path.dirname(adapter)):
-        check_weights(checkpoint, "--resume: checkpoint")
+        check_weights(folder, "--resume: checkpoint")
     elif not os.path.isfile(adapter) or not whole_file(adapter):
         raise InputError(f"--resume: {adapter} is missing or truncated")
-    if not zipfile.is_zipfile(os.path.join(checkpoint, "trainer_state.pt")):
-        why = "is truncated or not a checkpoint"
-        raise InputError(f"--resume: {checkpoint}/trainer_state.pt {why}")
+    if not zipfile.is_zipfile(os.path.join(folder, "trainer_state.pt")):
+        raise InputError(f"--resume: {folder}/trainer_state.pt is truncated or not a checkpoint")

@@ -213,6 +213,20 @@ def check_batch(batch: int, available: int, flag: str, source: str, what: str) -
         raise InputError(f"{flag} {batch} is more than the {available} {what} of {source}: {why}")
 
 
+def within(items: list, lengths: list[int], limit: int, drop_long: bool, source: str, what: str,
+           flag: str = "--max-length") -> list:  # fmt: skip
+    """The items of at most `limit` tokens. Longer ones stop the run, naming the first, or with
+    drop_long (--drop-long) are left out; none left stops it too."""
+    too_long = [i + 1 for i, n in enumerate(lengths) if n > limit]
+    if too_long and not drop_long:
+        raise InputError(f"{source}: {len(too_long)} of {len(items)} {what} are longer than {flag} "
+                         f"{limit} tokens (first: row {too_long[0]}); raise {flag} or pass "
+                         "--drop-long")  # fmt: skip
+    if not (kept := [item for item, n in zip(items, lengths) if n <= limit]):
+        raise InputError(f"{source}: no {what} left within {flag} {limit}")
+    return kept
+
+
 def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int]:
     """Row indices of global step `step`: the data in a fresh seeded permutation every epoch. A pure
     function of the step, so --resume replays exactly the order an uninterrupted run would see."""

@@ -19,11 +19,8 @@ LOGGING_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_
 QUIET = {"VLLM_LOGGING_CONFIG_PATH": LOGGING_CONFIG, "PYTHONWARNINGS": "ignore::FutureWarning"}
 # Both: the engine core in the actor's process (fast, no /dev/shm); vLLM and torch quiet
 GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-CPU_ENV = {
-    **GPU_ENV,
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores that the trainer ranks also use
-    "OMP_NUM_THREADS": str(os.cpu_count() or 1),  # trainers and engines take turns: all cores each
-}
+CPU_ENV = {**GPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores the trainers use
+           "OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # in turns: all cores each  # fmt: skip
 
 
 class KnownWarnings(logging.Filter):
@@ -57,9 +54,8 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None,
     cpu = {"kv_cache_memory_bytes": int(memory * 2**30), "enable_chunked_prefill": False,
            "max_num_batched_tokens": max(8192, max_model_len)}  # fmt: skip
     if lora:  # one adapter, the policy's; no LoRA buffers on modules it does not adapt (lm_head)
-        rank = next(r for r in VLLM_RANKS if r >= lora["rank"])  # the next size vLLM allows
-        lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank,
-                    lora_target_modules=lora["targets"])  # fmt: skip
+        lora = dict(enable_lora=True, max_loras=1, lora_target_modules=lora["targets"],
+                    max_lora_rank=next(r for r in VLLM_RANKS if r >= lora["rank"]))  # fmt: skip
     return dict(
         model=model_path, dtype=dtype, max_model_len=max_model_len,
         seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded
@@ -97,9 +93,8 @@ class Engine:
             requests = [p for p in prompts for _ in range(n)]
             params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
-        outs = self.llm.generate(
-            requests, params, use_tqdm=False, lora_request=lora_request(self.adapter)
-        )
+        lora = lora_request(self.adapter)
+        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         samples = [dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                         logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                    for out in outs for c in out.outputs]  # fmt: skip
@@ -126,10 +121,8 @@ class Engine:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        request = TokensPrompt(prompt_token_ids=token_ids)
-        out = self.llm.generate(
-            [request], params, use_tqdm=False, lora_request=lora_request(self.adapter)
-        )[0]
+        request, lora = TokensPrompt(prompt_token_ids=token_ids), lora_request(self.adapter)
+        out = self.llm.generate([request], params, use_tqdm=False, lora_request=lora)[0]
         return [lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     # Adapter-only sync (--lora-rank): the trainers' adapters, loaded in place by vLLM's LoRA API.
@@ -193,16 +186,15 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
     return results
 
 
-def spawn_engines(
-    pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int, max_model_len: int,
-    memory: float, use_gpu: bool, sleep_mode: bool = False, lora: dict | None = None,
-    engine_cls=Engine, **engine_kwargs) -> list:  # fmt: skip
+def spawn_engines(pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int,
+                  max_model_len: int, memory: float, use_gpu: bool, sleep_mode: bool = False,
+                  lora: dict | None = None, engine_cls=Engine, **kwargs) -> list:  # fmt: skip
     """One engine per slot, loaded before return: a failed start is named, not a sync timeout."""
     # The driver's VLLM_* settings go to all engines, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (old runner)
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
     args = (backend, tp, max_model_len, memory, sleep_mode)
-    kw = engine_kwargs | ({"lora": lora} if lora else {})
+    kw = kwargs | ({"lora": lora} if lora else {})
     engines = [engine_cls.options(**s.options(pg, env)).remote(model_path, seed + i, *args, **kw)
                for i, s in enumerate(slots)]  # fmt: skip
     wait_started(engines)

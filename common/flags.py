@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Annotated, Literal
 
+from common.errors import InputError
 from common.lora import DEFAULT_TARGETS
 
 _MAIN = getattr(sys.modules["__main__"], "__file__", None) or "run"  # the script being run
@@ -44,6 +45,13 @@ class Resources:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """GPU compute dtype, master weights in fp32 (auto: bfloat16, float16 below compute capability
     8.0 as on a T4); engines and weight sync use it too. CPU: float32"""
+
+    def dp_size(self) -> int:
+        """Data-parallel groups: the trainer ranks in sequence-parallel groups of --sp-size."""
+        if self.num_trainers % self.sp_size:
+            raise InputError(f"--num-trainers {self.num_trainers} is not a multiple of --sp-size "
+                             f"{self.sp_size}")  # fmt: skip
+        return self.num_trainers // self.sp_size
 
 
 @dataclasses.dataclass

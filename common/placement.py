@@ -3,6 +3,7 @@ them, join trainers in a torch group. A job's placement group (`Layout`) gets al
 waits, never deadlocked half-placed."""
 
 import atexit
+import contextlib
 import math
 import os
 import random
@@ -182,11 +183,8 @@ def _free_address() -> tuple[str, int]:
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
     for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
+        with socket.socket() as s, contextlib.suppress(OSError):  # taken: the next one
+            s.bind(("", port))
             return ray.util.get_node_ip_address(), port
     raise RuntimeError(f"no free port below the ephemeral range (it starts at {low})")
 
@@ -218,8 +216,8 @@ def start_trainers(actor_cls, use_gpu: bool, num_trainers: int, *args) -> list:
 
 def wait_started(actors: list) -> None:
     """Wait for all actors' __init__: one that crashes or times out (hung, unplaceable) is named."""
-    names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
-    wait_all([a.__ray_ready__.remote() for a in actors], names, "start-up", START_TIMEOUT_S)
+    refs = [a.__ray_ready__.remote() for a in actors]
+    wait_all(refs, actor_names(actors), "start-up", START_TIMEOUT_S)
 
 
 def init_distributed(rank: int, world_size: int, addr: str, port: int):
@@ -246,14 +244,13 @@ def call(actors: list, method: str, *args, per_rank=None, timeout=RPC_TIMEOUT_S,
     name, fn = (method, ()) if isinstance(method, str) else ("run", (method,))
     refs = [getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args)
             for i, a in enumerate(actors)]  # fmt: skip
-    names = [f"{actor_name(a)}#{i}" for i, a in enumerate(actors)]
-    return wait_all(refs, names, getattr(method, "__name__", method), timeout, watch)
+    return wait_all(refs, actor_names(actors), getattr(method, "__name__", method), timeout, watch)
 
 
 def wait_all(refs: list, names: list[str], what: str, timeout=RPC_TIMEOUT_S, watch=()) -> list:
     pending, watched = dict(zip(refs, names)), {}
-    for i, actor in enumerate(watch):  # a ping each, answered at once or after its current call
-        watched[actor.__ray_ready__.remote()] = (actor, f"{actor_name(actor)}#{i}")
+    for actor, name in zip(watch, actor_names(watch)):  # a ping each, answered between its calls
+        watched[actor.__ray_ready__.remote()] = (actor, name)
     left, deadline = list(refs), time.monotonic() + timeout
     while left:  # one at a time: a failure surfaces at once, even if peers hang in a collective
         wait_s = min(max(0.0, deadline - time.monotonic()), WATCH_S if watched else math.inf)
@@ -282,5 +279,6 @@ def _get(ref, name: str, what: str):
         raise RunError(f"{name} {how} {what}: {type(cause).__name__}: {line}") from None
 
 
-def actor_name(actor) -> str:  # e.g. "Trainer" or "AsyncEngine"
-    return actor._ray_actor_creation_function_descriptor.class_name
+def actor_names(actors: list) -> list[str]:  # e.g. "Trainer#0", "AsyncEngine#1"
+    return [f"{a._ray_actor_creation_function_descriptor.class_name}#{i}"
+            for i, a in enumerate(actors)]  # fmt: skip

@@ -3,7 +3,6 @@
 
 from common import data
 from common.data import Prompt
-from common.errors import InputError
 
 
 def read_prompts(path: str, split: str, answered: bool = True) -> tuple[list[dict], str]:
@@ -24,17 +23,7 @@ def encode_prompts(rows: list[dict], source: str, tokenizer, max_length: int, dr
     """Every prompt tokenized, as [Prompt]. Prompts over max_length (--max-prompt-length) stop the
     run, naming the first, or with drop_long (--drop-long) are left out."""
     ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    too_long = [i + 1 for i, p in enumerate(ids) if len(p) > max_length]
-    if too_long and not drop_long:
-        raise InputError(
-            f"{source}: {len(too_long)} of {len(rows)} prompts are longer than --max-prompt-length "
-            f"{max_length} tokens (first: row {too_long[0]}); raise it or pass --drop-long"
-        )
-    prompts = [
-        Prompt(p, str(r.get("answer")), r["prompt"], row)
-        for row, (p, r) in enumerate(zip(ids, rows), 1)
-        if len(p) <= max_length
-    ]
-    if not prompts:
-        raise InputError(f"{source}: no prompt is within --max-prompt-length {max_length}")
-    return prompts
+    prompts = [Prompt(p, str(r.get("answer")), r["prompt"], row)
+               for row, (p, r) in enumerate(zip(ids, rows), 1)]  # fmt: skip
+    lengths, flag = [len(p) for p in ids], "--max-prompt-length"
+    return data.within(prompts, lengths, max_length, drop_long, source, "prompts", flag)

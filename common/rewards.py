@@ -39,8 +39,7 @@ def composed_reward(terms: dict, pairs: list, where: str, timeout: float, labels
 
 def score_responses(terms: dict, batch: list, outs: list, tokenizer, where: str, timeout: float):
     """Decode the responses to a batch of Prompts (outs: n per prompt) and score each against its
-    prompt's answer: (texts, (B*n,) rewards, {term: (B*n,) values}), prompt-major. A reward
-    function that raises, hangs or returns a non-number stops the run, naming the row and sample."""
+    prompt's answer: (texts, (B*n,) rewards, {term: (B*n,) values}), prompt-major."""
     n = len(outs[0])
     texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
     pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
@@ -54,8 +53,7 @@ def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, la
     a raise, a hang over `timeout` s or a non-finite value ends the run: a line naming the pair."""
     name = getattr(fn, "__name__", repr(fn))
 
-    class Late(BaseException):  # not an Exception: a reward function's `except Exception` misses it
-        pass
+    class Late(BaseException): ...  # a reward function's `except Exception` misses it
 
     def late(*_):
         raise Late

@@ -29,7 +29,7 @@ _LOCKS: dict[str, int] = {}  # run dir -> the open lock file this process holds 
 class Run:
     """Owns the run directory; logs each metric row to console, metrics.jsonl, (--track) wandb."""
 
-    def __init__(self, args, run_dir: str | None = None, resume_step: int = 0):
+    def __init__(self, args, run_dir: str | None, resume_step: int, num_steps: int):
         new_dir = f"{args.exp_name}__{args.seed}__{int(time.time())}"
         if run_dir is None and os.path.exists(os.path.join(args.output_dir, new_dir)):
             new_dir += f"_{os.getpid()}"  # two runs started in the same second
@@ -59,7 +59,7 @@ class Run:
         from tqdm import tqdm  # a progress bar on a terminal (stderr); the lines print above it
 
         on = dict(file=sys.stderr, disable=not sys.stderr.isatty(), dynamic_ncols=True, leave=False)
-        self.bar = tqdm(total=args.num_steps, initial=resume_step, unit="step", **on)
+        self.bar = tqdm(total=num_steps, initial=resume_step, unit="step", **on)
 
     def log(self, step: int, metrics: dict, console_keys: tuple[str, ...] = ()):
         plain = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}  # no tensors

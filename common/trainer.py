@@ -1,11 +1,10 @@
 """The trainer shell: one FSDP2 rank of the model a script trains, driven by the script's functions.
 
-What every script's trainer does around its update lives here once: join the process group, load
-the model sharded (LoRA adapters on a frozen base), ring attention, frozen copies (π_ref), the
-optimizer, the float16 loss scale, the optimizer step, the weight push, save and load. The script
-hands the shell its functions (composition, as nanoGPT's train.py drives model.py): `load` builds
-the model, and `call(trainers, train_step, ...)` runs train_step(trainer, ...) on every rank, with
-this object as `trainer` (model, frozen, optimizer, local_part, optimizer_step)."""
+What every script's trainer does around its update lives here once (the sharded model, LoRA, ring
+attention, π_ref, the optimizer step, the weight push, save and load). The script hands the shell
+its functions (composition, as nanoGPT's train.py drives model.py): `load` builds the model, and
+`call(trainers, train_step, ...)` runs train_step(trainer, ...) on every rank, with this object as
+`trainer` (model, frozen, optimizer, local_part, optimizer_step)."""
 
 import copy
 import importlib.util
@@ -14,7 +13,9 @@ import math
 import ray
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as sd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common import checkpoint, lora, placement, weight_sync
 from common.memory import to_device
@@ -23,14 +24,11 @@ from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch
 
 
 def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dtype="auto", **cfg):
-    """A model of `auto_cls` sharded with FSDP2 (each decoder layer, then the root), built on the
-    meta device (the random generator untouched: a new seeded head, rm.py's, is drawn as
-    from_pretrained draws it), filled by load_weights. Master weights fp32; on GPU the compute runs
-    in `dtype` (common/precision.py), gradients reduced in fp32. `adapters` (--lora-rank): LoRA
-    adapters on the frozen base, trained alone (common/lora.py). `cfg`: config overrides
-    (num_labels). Returns (model, the names of the weights the checkpoint lacked)."""
-    from transformers import AutoConfig
-
+    """A model of `auto_cls` sharded with FSDP2, built on the meta device (the random generator
+    untouched: a new seeded head, rm.py's, is drawn as from_pretrained draws it), filled by
+    load_weights; on GPU it computes in `dtype` (common/precision.py). `adapters` (--lora-rank):
+    LoRA on the frozen base (common/lora.py). `cfg`: config overrides (num_labels). Returns
+    (model, the names of the weights the checkpoint lacked)."""
     base = adapters.base if adapters else path
     compute = compute_dtype(device, dtype)  # fp32 on CPU
     config, attn = AutoConfig.from_pretrained(base, **cfg), attn_implementation(device, compute)
@@ -47,15 +45,12 @@ def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dt
 
 
 def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]:
-    """Allocate the (FSDP2-sharded) meta `model` on `device`, fill it with the checkpoint at `path`:
-    rank 0 reads the checkpoint into host RAM with from_pretrained (which handles key renames, tied
-    weights and the init of weights the checkpoint lacks) and broadcasts it tensor by tensor; every
-    rank keeps only its shard (torch's set_model_state_dict with broadcast_from_rank0). Buffers not
-    in a state dict (RoPE's inverse frequencies) are broadcast too. A collective: every rank calls
-    it. Returns the keys the checkpoint lacked (initialised on rank 0), the same on every rank.
+    """Allocate the (FSDP2-sharded) meta `model` on `device`, fill it with the checkpoint at `path`
+    (a collective): rank 0 reads it into host RAM with from_pretrained (which handles key renames,
+    tied weights and the init of weights the checkpoint lacks) and broadcasts it tensor by tensor;
+    every rank keeps only its shard. Buffers not in a state dict (RoPE's inverse frequencies) are
+    broadcast too. Returns the keys the checkpoint lacked (initialised on rank 0) on every rank.
     `adapters` (common/lora.py): `model` has LoRA adapters; rank 0 puts the same on its copy."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     model.to_empty(device=device)
     full, buffers, missing = {}, {}, []
     if dist.get_rank() == 0:
@@ -66,15 +61,14 @@ def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]
             adapters.fill(source)
         full, buffers = source.state_dict(), dict(source.named_buffers())
         missing = sorted(info["missing_keys"])
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
+    options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sd.set_model_state_dict(model, full, options=options)
     in_state_dict = set(model.state_dict())
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name not in in_state_dict:
-                if dist.get_rank() == 0:
-                    buffer.copy_(buffers[name])
-                dist.broadcast(buffer, src=0)
+        for name, buffer in [(n, b) for n, b in model.named_buffers() if n not in in_state_dict]:
+            if dist.get_rank() == 0:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
     message = [missing]
     dist.broadcast_object_list(message, src=0)
     return message[0]
@@ -90,8 +84,6 @@ def attn_implementation(device, dtype) -> str:
 
 def load_policy(path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto"):
     """The policy: a causal LM, sharded by load_model (every script's model but rm.py's)."""
-    from transformers import AutoModelForCausalLM
-
     args = path, device, gradient_checkpointing, adapters, dtype
     return load_model(AutoModelForCausalLM, *args)[0]  # the model, not the weights it lacked
 
@@ -114,8 +106,6 @@ class Trainer:
         warmup_steps, num_steps, min_lr_ratio), frozen ([] or ["ref_logprobs"]),
         colocate (an engine shares this GPU), offload (the model waits in host RAM between calls).
         `args`: the script's flags, for its own functions."""
-        from transformers import AutoTokenizer
-
         s = self.settings = settings
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
@@ -137,8 +127,7 @@ class Trainer:
         if adapters:  # the policy with its adapters off: no second copy
             return lora.Disabled(self.model)
         frozen = load(path, self.device, False, None, self.settings["dtype"])
-        frozen.eval().requires_grad_(False)
-        enable_ring_attention(frozen, self.sp.group)
+        enable_ring_attention(frozen.eval().requires_grad_(False), self.sp.group)
         return frozen
 
     def run(self, fn, *args):
@@ -187,25 +176,20 @@ class Trainer:
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int, tp, merge):
         dtype = compute_dtype(self.device, self.settings["dtype"])  # the engines'
-        self.weight_sync = weight_sync.init_weight_sync(
-            self.model, self.tokenizer, engines, backend, self.rank, (addr, port), tp, dtype, merge
-        )
+        args = (self.model, self.tokenizer, engines, backend, self.rank, (addr, port), tp, dtype)
+        self.weight_sync = weight_sync.init_weight_sync(*args, merge)
 
     def push_weights(self) -> int:
         return self.weight_sync.push()  # the bytes each engine received
 
-    def check_weights(self) -> float | None:
-        # the engines serve what was pushed, or the run stops naming one; rank 0 returns the gap
+    def check_weights(self) -> float | None:  # rank 0 returns the gap; a stale engine stops the run
         return self.weight_sync.check()
 
-    def save(self, path: str, step: int, with_optimizer: bool):
-        # every rank gathers its shards, rank 0 writes
+    def save(self, path: str, step: int, with_optimizer: bool):  # a collective: rank 0 writes
         checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
 
     def load_optimizer(self, path: str):
         """Rank 0 reads the checkpoint's optimizer state, each rank keeps its shard."""
-        import torch.distributed.checkpoint.state_dict as sd
-
         opts = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         state = torch.load(f"{path}/trainer_state.pt", weights_only=False) if self.rank == 0 else {}
         optim = state.get("optimizer", {})

@@ -2,8 +2,7 @@
 vLLM only warns if an update leaves a weight unset (the layer keeps its memory: after sleep level 2,
 garbage); `Whole` makes it fail, naming the first weight, in every backend: "checked-gloo",
 "checked-nccl", "checked-ipc" (vLLM's, CUDA-only). Gloo: trainer rank 0 broadcasts to every engine
-worker (ranks 1..), both chunking the same metadata alike (only bytes travel). vLLM workers import
-this (`worker_extension_cls`: it must register where the engine is built), trainers lazily."""
+worker (ranks 1..), both chunking the same metadata alike (only bytes travel)."""
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -42,10 +41,9 @@ class Whole:
         super().finish_weight_update()
         expected = {name.replace(".base_layer.", ".") for name, _ in self.model.named_parameters()}
         if missing := sorted(n for n in expected - self.received if not n.endswith(KV_SCALES)):
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            named = f"{missing[0]} and {len(missing) - 1} more" if len(missing) > 1 else missing[0]
             raise RuntimeError(f"the weight update set {len(expected) - len(missing)} of the "
-                               f"engine's {len(expected)} weights; missing: "
-                               f"{missing[0]}{more}")  # fmt: skip
+                               f"engine's {len(expected)} weights; missing: {named}")  # fmt: skip
 
 
 def gloo_group(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -89,10 +87,9 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
 
     init_info_cls, update_info_cls = GlooInitInfo, GlooUpdateInfo
 
-    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        rank = init_info.rank_offset + self.parallel_config.rank
-        addr, port = init_info.master_address, init_info.master_port
-        self.group = gloo_group(addr, port, rank, init_info.world_size)
+    def init_transfer_engine(self, info: GlooInitInfo) -> None:
+        rank = info.rank_offset + self.parallel_config.rank
+        self.group = gloo_group(info.master_address, info.master_port, rank, info.world_size)
 
     def start_weight_update(self) -> None:
         reload.initialize_layerwise_reload(self.model)  # redoes vLLM CPU's repacking per layer
@@ -111,11 +108,10 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
 
     def finish_weight_update(self) -> None:
         reload.finalize_layerwise_reload(self.model, self.model_config)
-        lm_head = getattr(self.model, "lm_head", None)
         # With tied embeddings vLLM CPU keeps a separately packed copy of the LM head; repack it
         # from the reloaded embedding, or logprobs are off by 0.04-2 nats (measured).
         tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
-        if tied and lm_head is not None:
+        if tied and (lm_head := getattr(self.model, "lm_head", None)) is not None:
             lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def shutdown(self) -> None:

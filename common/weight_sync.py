@@ -14,7 +14,7 @@ import torch
 
 from common import lora
 from common.errors import RunError
-from common.placement import actor_name, call
+from common.placement import actor_names, call
 from common.ring_attn import enable_ring_attention
 
 PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over the lazy dog."
@@ -32,7 +32,7 @@ def sync_weights(trainers: list, engines: list, colocated: bool) -> tuple[int, f
     if colocated:  # an engine that is not fully awake schedules nothing: its generate would hang
         for i, awake in enumerate(call(engines, "wake_up", ["kv_cache"])):
             if not awake:
-                raise RunError(f"{actor_name(engines[i])}#{i} is still asleep after its wake-up")
+                raise RunError(f"{actor_names(engines)[i]} is still asleep after its wake-up")
     return sent[0], call(trainers, "check_weights", watch=engines)[0]  # rank 0 compares
 
 
@@ -55,9 +55,8 @@ class EngineClient:
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         infos = [dict(init_info) for _ in self.engines]
-        if "rank_offset" in init_info:
-            for i, info in enumerate(infos):
-                info["rank_offset"] = init_info["rank_offset"] + i * self.tp
+        for i, info in enumerate(infos if "rank_offset" in init_info else []):
+            info["rank_offset"] += i * self.tp
         self._all("init_weight_transfer_engine", infos)
 
     def start_weight_update(self) -> None:
@@ -131,10 +130,9 @@ class WeightSync:
         for i, theirs in enumerate(client.prompt_logprobs(self.probe)):
             gap = max(gap, diff := (torch.tensor(theirs) - mine).abs().mean().item())
             if not diff <= self.tolerance:  # NaN fails too
-                name = f"{actor_name(client.engines[i])}#{i}"
-                raise RuntimeError(f"{name} does not serve the weights just pushed: its "
-                                   f"log-probabilities of a probe text differ from the trainer's "
-                                   f"by {diff:.3g} on average (allowed "
+                raise RuntimeError(f"{actor_names(client.engines)[i]} does not serve the weights "
+                                   "just pushed: its log-probabilities of a probe text differ from "
+                                   f"the trainer's by {diff:.3g} on average (allowed "
                                    f"{self.tolerance:g})")  # fmt: skip
         return gap
 
@@ -153,6 +151,8 @@ def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, a
     addr, port = address
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     class CastSource(ModuleSource):
         """The engines' dtype: each FSDP2 shard cast, then gathered; with LoRA, W + (α / r) B A."""
@@ -172,14 +172,10 @@ def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, a
 
     group = dict(master_address=addr, master_port=port, world_size=1 + len(engines) * tp, rank=rank)
     if backend in ("gloo", "nccl"):  # one group: trainer rank 0 and every engine worker
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
         from common.vllm_worker import GlooTrainerInitInfo
 
         info = (GlooTrainerInitInfo if backend == "gloo" else NCCLTrainerInitInfo)(**group)
     else:  # ipc (choose_backend's three)
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
         # packed: one reused buffer (1 GiB, or the largest tensor) for all, not a copy on every GPU
         size = max(2**30, max(p.numel() for p in model.parameters()) * dtype.itemsize)
         info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=size)

@@ -660,6 +660,7 @@ def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
     (which end at the end-of-turn)."""
     import ppo
     import rm
+    from common import models
     from common.data import encode_example, encode_prompt
 
     prompt, response = [{"role": "user", "content": "What is 2 + 3?"}], "5"
@@ -672,7 +673,7 @@ def test_reward_model_reads_where_rm_trained_it(tiny_model, tokenizer):
     assert (
         vllm_like != trained and trained[: len(vllm_like)] == vllm_like
     )  # the template adds after the EOS
-    scorer = ppo.RewardModel.__ray_actor_class__(
+    scorer = models.RewardModel.__ray_actor_class__(
         tiny_model, False
     )  # in-process, frozen, as ppo.py runs it
     torch.nn.init.normal_(scorer.model.score.weight)

@@ -387,7 +387,7 @@ def test_metrics_files_are_strict_json(tmp_path):
     import sft
     from common.tracking import Run
 
-    run = Run(sft.Args(output_dir=str(tmp_path)), str(tmp_path / "run"))
+    run = Run(sft.Args(output_dir=str(tmp_path)), str(tmp_path / "run"), 0, 1)
     run.log(1, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "ok": 1.5})
     run.log_samples(1, [{"reward": float("-inf")}])
 
@@ -523,7 +523,7 @@ def test_a_save_cut_short_by_signals_never_leaves_a_folder_that_looks_whole(
     import sft  # a resume of the run (its Run, the run dir's lock held) removes partial folders
     from common.tracking import Run as RunDir
 
-    RunDir(sft.Args(), run_dir, resume_step=1)
+    RunDir(sft.Args(), run_dir, resume_step=1, num_steps=sft.Args().num_steps)
     assert not [n for n in os.listdir(folder) if n.endswith(".partial")] if names else True
     deadline = time.monotonic() + 10
     while alive(procs) and time.monotonic() < deadline:

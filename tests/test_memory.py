@@ -18,6 +18,14 @@ from common.memory import GiB, Job
 H100 = memory_plan.H100
 
 
+def script_values(args) -> dict:
+    """What an RL script gives memory.check_run from its own flags, by keyword (its prepare_inputs:
+    the wiring is tested by test_every_script_is_planned_from_its_own_defaults)."""
+    longest = args.max_prompt_length + args.max_response_length
+    return dict(tokens=args.max_tokens_per_micro_batch, longest=longest, top_p=args.top_p,
+                colocate=args.colocate, critics=getattr(args, "num_critics", 0))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def shapes():
     return {name: memory_plan.shape(name) for name in memory_plan.CONFIGS}
@@ -134,33 +142,31 @@ def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model)
     args = grpo.Args(model=tiny_model, colocate=True)
     grpo.validate_args(args)
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "80")
-    assert memory.check_run(args, True, tiny_model, reference=False) is False
+    assert memory.check_run(args, True, tiny_model, **script_values(args)) is False
     assert re.fullmatch(
         r"memory plan: GPU 0 generating needs 34\.1 GiB of 80 \(.*\): fits\n",
         capsys.readouterr().out,
     )
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "1")
     with pytest.raises(SystemExit, match="^error: memory plan: GPU 0 .* of 1 "):
-        memory.check_run(args, True, tiny_model, reference=False)
-    assert (
-        memory.check_run(args, False, tiny_model, reference=False) is False
-    )  # CPU: nothing planned
+        memory.check_run(args, True, tiny_model, **script_values(args))
+    assert memory.check_run(args, False, tiny_model, **script_values(args)) is False  # CPU: no plan
     assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"])
 def test_every_script_is_planned_from_its_own_defaults(monkeypatch, capsys, tiny_model, name):
-    """Each script's Args, as its validate_args leaves them, plans on a (pretended) 80 GB GPU: a flag
-    the plan reads that a script lacks (grpo_async.py has no --colocate) must not crash the GPU path
-    that the CPU never takes."""
+    """Each script's prepare_inputs, on its defaults as validate_args leaves them, plans its run on
+    a (pretended) 80 GB GPU: the GPU path the CPU never takes, with the values the script passes
+    (grpo_async.py has no --colocate; sft, rm and dpo no engines)."""
     import importlib
 
     module = importlib.import_module(name)
     args = module.Args(model=tiny_model)
     module.validate_args(args)
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "80")
-    memory.check_run(args, True, tiny_model)
-    assert re.fullmatch(r"memory plan: .*: fits.*\n", capsys.readouterr().out)
+    module.prepare_inputs(args, True, *([None] if name == "ppo" else []))  # ppo: no checkpoint
+    assert re.search(r"^memory plan: .*: fits.*$", capsys.readouterr().out, re.M)
 
 
 def test_a_parked_model_trains_on_as_before(one_rank_group, tiny_model):
@@ -250,13 +256,13 @@ def test_7b_fits_one_gpu_with_lora_and_full_fine_tuning_is_told_so(
     paths = (str(tmp_path), str(tmp_path)) if name == "ppo" else ()
     args = module.Args(**flags, lora_rank=16)
     module.validate_args(args)
-    memory.check_run(args, True, str(tmp_path), True, *paths)
+    memory.check_run(args, True, str(tmp_path), True, *paths, **script_values(args))
     assert re.fullmatch(r"memory plan: GPU 0 .* needs \d+\.\d GiB of 80 \(.*frozen bf16 base 14\.2.*\): fits.*\n",
                         capsys.readouterr().out)  # fmt: skip
     args = module.Args(**flags)
     module.validate_args(args)
     with pytest.raises(SystemExit, match=r"does not fit; it would fit with --lora-rank 16"):
-        memory.check_run(args, True, str(tmp_path), True, *paths)
+        memory.check_run(args, True, str(tmp_path), True, *paths, **script_values(args))
 
 
 def test_engine_memory_is_checked_and_defaulted_in_one_place():
@@ -268,10 +274,10 @@ def test_engine_memory_is_checked_and_defaulted_in_one_place():
     from common.errors import InputError
     from common.memory import engine_memory
 
-    flags = SimpleNamespace(num_engines=1, engine_memory=2.0, colocate=False)
+    flags = SimpleNamespace(num_engines=1, engine_memory=2.0)
     with pytest.raises(InputError, match="--engine-memory is a fraction of each GPU's memory"):
         engine_memory(flags, use_gpu=True)
     assert engine_memory(flags, use_gpu=False) == 2.0
     for colocate, use_gpu, default in ((False, True, 0.85), (True, True, 0.4), (False, False, 1.0)):
-        flags = SimpleNamespace(num_engines=1, engine_memory=None, colocate=colocate)
-        assert engine_memory(flags, use_gpu) == default
+        flags = SimpleNamespace(num_engines=1, engine_memory=None)
+        assert engine_memory(flags, use_gpu, colocate) == default

@@ -129,7 +129,8 @@ def test_the_memory_plan_counts_the_dtype(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "15")
     args = grpo.Args(model=str(tmp_path), colocate=True, dtype="float16", lora_rank=16)
     grpo.validate_args(args)
-    memory.check_run(args, True, str(tmp_path), False)
+    memory.check_run(args, True, str(tmp_path), tokens=args.max_tokens_per_micro_batch, top_p=1.0,
+                     longest=args.max_prompt_length + args.max_response_length, colocate=True)  # fmt: skip
     assert re.fullmatch(r"memory plan: GPU 0 generating needs [\d.]+ GiB of 15 \(.*frozen fp16 "
                         r"base 0\.9.*\): fits\n", capsys.readouterr().out)  # fmt: skip
 

@@ -20,16 +20,16 @@ SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_as
 # in each script) took each script down by 65-125 lines, the data plumbing's (common/data.py,
 # common/rewards.py) by 14-52, the shared flag groups' (common/flags.py) by 20-30, the learning-rate
 # schedule's (in the shell's optimizer step) by 10, the prompts' (common/prompts.py) by 37, the greedy
-# accuracy's (common/greedy.py: sft, dpo) by 60. STYLE.md's targets: 420 / 600 / 850; dpo.py and
-# ppo.py are still over them (common/ is at its cap: their next moves need cuts there first).
+# accuracy's (common/greedy.py: sft, dpo) by 60, ppo's reward model actor's (common/models.py) by 33.
+# STYLE.md's caps: 420 / 600 / 850 (dpo.py and ppo.py are at theirs).
 BUDGET = {  # + the entropy hook; + composed rewards (--verifier-weight, rollout/reward/<term>)
-    "sft.py": 351,
-    "rm.py": 405,
-    "dpo.py": 449,
-    "grpo.py": 576,
-    "ppo.py": 895,  # the policy's and the critic's update, the reward model actor
-    "dapo.py": 622,  # its rounds carry each group's reward terms
-    "grpo_async.py": 656,  # its reward workers return the terms
+    "sft.py": 335,
+    "rm.py": 381,
+    "dpo.py": 420,
+    "grpo.py": 574,
+    "ppo.py": 850,  # the policy's and the critic's update
+    "dapo.py": 620,  # its rounds carry each group's reward terms
+    "grpo_async.py": 655,  # its reward workers return the terms
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
@@ -41,8 +41,6 @@ SUPERVISED = ["sft.py", "rm.py", "dpo.py"]  # one trainer group, no engines
 SHARED = [  # (block, scripts); "script:Class.method" names a block under another name
     ("compute_logprobs", ["sft.py", "dpo.py", *RL]),
     ("reward_fn", ["sft.py", "dpo.py", *RL]),
-    ("time_metrics", SUPERVISED),
-    ("plan_micro_batches", SUPERVISED),
     ("check_machine", SUPERVISED),
     ("check_machine", ["grpo.py", "dapo.py"]),  # grpo_async.py never colocates
     ("start_actors", ["grpo.py", "dapo.py"]),
@@ -94,6 +92,8 @@ def test_common_stays_small():
     # memory, lora, trainer, errors, models and placement (join_cluster beside its one caller).
     # The flag groups, the schedule, greedy.py and prompts.py (~200 lines) fit by two reviews' cuts
     # with behaviour unchanged (~140), the progress bar made by Run itself, columnar JSON dropped.
+    # The reward model actor, Resources.dp_size and data.within (~60; ppo.py and dpo.py to their
+    # caps) fit by a third review's cuts (~53) and tighter docstrings in memory and models.
     assert total <= 3500, f"common/ has {total} lines"
 
 
