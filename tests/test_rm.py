@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 import rm
-from common.data import encode_example, load_rows
+from common.data import encode_example, load_rows, split_for_ranks
 from common.placement import Layout, call, make_placement_group, spawn_trainers
 
 
@@ -106,7 +106,7 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     losses = []
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]
-        shares = rm.plan_micro_batches(batch, args)
+        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch, sp_size)
         out = call(trainers, rm.train_step, len(batch), step, per_rank=shares)
         losses.append(
             sum(o["loss"] for o in out[::sp_size]) / len(batch)

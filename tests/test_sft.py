@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import sft
 from common import greedy
-from common.data import encode_example, encode_prompt, load_rows
+from common.data import encode_example, encode_prompt, load_rows, split_for_ranks
 from common.placement import Layout, call, make_placement_group, spawn_trainers
 
 
@@ -87,9 +87,8 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     for step in range(steps):
         batch = sequences[step * 8 : (step + 1) * 8]
         num_tokens = sum(sum(s["loss_mask"]) for s in batch)
-        out = call(
-            trainers, sft.train_step, num_tokens, step, per_rank=sft.plan_micro_batches(batch, args)
-        )
+        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch, sp_size)
+        out = call(trainers, sft.train_step, num_tokens, step, per_rank=shares)
         losses.append(sum(o["loss"] for o in out) / num_tokens)
     call(trainers, "save", str(out_dir), steps, False)
     for t in trainers:
