@@ -455,7 +455,7 @@ def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list
     order = torch.randperm(len(sequences), generator=seed).tolist()
     shares, n = [[] for _ in range(args.num_trainers)], args.num_trainers
     for mini in [[sequences[j] for j in order[i::k]] for i in range(k)]:
-        weights = loss_weights([len(response) for _, response, _ in mini], args)
+        weights = loss_weights([len(v["advantages"]) for *_, v in mini], args)  # |o_i| each
         seqs = [make_sequence(p, r, loss_weights=w, **v) for (p, r, v), w in zip(mini, weights)]
         micros = data.split_for_ranks(seqs, n, args.max_tokens_per_micro_batch, args.sp_size)
         for share, micro in zip(shares, micros):

@@ -76,9 +76,8 @@ def staged(path: str, step: int):
 
 
 def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str, int] | None:
-    """Before anything starts, the wandb login and a new run's --output-dir (None), or --resume
-    resolved and checked against the script, --model, the LoRA flags and --num-steps: (run_dir,
-    checkpoint_dir, step). args: the run's common/flags.py groups (Experiment, LoRA)."""
+    """Before anything starts: the wandb login and a new run's --output-dir (None), or --resume
+    checked against the script, --model, LoRA flags and --num-steps: (run_dir, checkpoint, step)."""
     check_tracking(args.track)
     if not args.resume:
         return check_output_dir(args.output_dir)

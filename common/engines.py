@@ -81,22 +81,27 @@ class Engine:
         self.adapter = adapter_folder() if lora else None
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
+                 max_tokens, seeds: list[int] | None = None, stop=None) -> list:  # fmt: skip
         """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts).
-        `seeds[i] + j` seeds sample j of prompt i (its own request) in any batch, on any engine."""
+        `seeds[i] + j` seeds sample j of prompt i (its own request) in any batch, on any engine;
+        `max_tokens`: a list, per prompt; `stop` strings end a sample (kept), add `prompt_ids`."""
         from vllm import SamplingParams, TokensPrompt
 
-        base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+        base = dict(temperature=temperature, top_p=top_p, logprobs=0)
+        base |= dict(stop=stop, include_stop_str_in_output=True) if stop else {}
+        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         if seeds is None:
-            requests, params = prompts, SamplingParams(n=n, **base)
+            requests, params = prompts, [SamplingParams(n=n, max_tokens=m, **base) for m in limits]
         else:
             requests = [p for p in prompts for _ in range(n)]
-            params = [SamplingParams(n=1, seed=s + j, **base) for s in seeds for j in range(n)]
+            params = [SamplingParams(n=1, seed=s + j, max_tokens=m, **base)
+                      for s, m in zip(seeds, limits) for j in range(n)]  # fmt: skip
         requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
         lora = lora_request(self.adapter)
         outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         samples = [dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
-                        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                        **({"prompt_ids": list(out.prompt_token_ids)} if stop else {}))
                    for out in outs for c in out.outputs]  # fmt: skip
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -168,22 +173,29 @@ def lora_request(folder: str | None, tensors=None, config=None):
     return folder and LoRARequest("policy", 1, folder, load_inplace=tensors is not None)
 
 
-def sample_seeds(seed: int, draw: int, num_prompts: int) -> list[int]:
-    """A sampling seed for each prompt of draw `draw` (a step, or one round of a step): a function
-    of the run's seed, the draw and the prompt's place only, so a resumed run samples the same."""
-    return [random.Random(f"{seed}/{draw}/{i}").getrandbits(48) for i in range(num_prompts)]
+def sample_seeds(seed: int, draw, prompts) -> list[int]:
+    """A sampling seed for each prompt of draw `draw` (a step, or one round or turn of a step): a
+    function of the run's seed, the draw and the prompt's number only (`prompts`: a count, or the
+    numbers), so a resumed run samples the same."""
+    numbers = range(prompts) if isinstance(prompts, int) else prompts
+    return [random.Random(f"{seed}/{draw}/{i}").getrandbits(48) for i in numbers]
 
 
 def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: float, top_p: float,
-             max_tokens: int, seed=None, draw: int | None = None) -> list:  # fmt: skip
-    """Deal the prompts round-robin to the engines, n responses each, in order; seeded by `draw`."""
-    k, seeds = len(engines), sample_seeds(seed, draw, len(prompts)) if draw is not None else None
-    refs = [e.generate.remote(prompts[i::k], n, temperature, top_p, max_tokens,
-                              seeds and seeds[i::k]) for i, e in enumerate(engines)]  # fmt: skip
-    results = [None] * len(prompts)
-    for i, out in enumerate(wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")):
-        results[i::k] = out
-    return results
+             max_tokens, seed=None, draw=None, index=None, stop=None) -> list:  # fmt: skip
+    """Deal the prompts to the engines, n responses each, in order; seeded by `draw`. `index`: each
+    prompt's own number (default: its place), which picks its engine (number % engines: an
+    episode's turns meet their prefix in that engine's cache) and its seed."""
+    k, index = len(engines), list(range(len(prompts)) if index is None else index)
+    seeds = sample_seeds(seed, draw, index) if draw is not None else None
+    rows = [[i for i, number in enumerate(index) if number % k == e] for e in range(k)]
+    part = lambda v, mine: [v[i] for i in mine] if isinstance(v, list) else v  # noqa: E731
+    refs = [e.generate.remote(part(prompts, mine), n, temperature, top_p,
+                              part(max_tokens, mine), part(seeds, mine), stop)
+            for e, mine in zip(engines, rows)]  # fmt: skip
+    outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
+    placed = {i: samples for mine, out in zip(rows, outs) for i, samples in zip(mine, out)}
+    return [placed[i] for i in range(len(prompts))]
 
 
 def spawn_engines(pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int,

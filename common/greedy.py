@@ -7,9 +7,8 @@ from common.ring_attn import enable_ring_attention
 
 
 def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, synced):
-    """Greedy completions of token-id prompts, batched: left-padded, so every prompt ends where
-    generation starts. Returns each completion's ids without EOS or padding. synced: the FSDP ranks
-    generate together (their collectives stay in step even when one finishes first)."""
+    """Greedy completions (ids, no EOS or padding) of prompts batched left-padded: all end where
+    generation starts. synced: the FSDP ranks generate together, in step if one finishes first."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width, device = max(len(p) for p in prompts), model.device
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)

@@ -66,8 +66,6 @@ def engine_lora(args) -> dict | None:
 
 @dataclass
 class Adapters:
-    """The adapters a trainer puts on its model."""
-
     config: object  # peft.LoraConfig
     base: str  # the frozen base model's folder
     resume: str | None = None  # the checkpoint to start them from (--resume); None: fresh
@@ -151,7 +149,6 @@ def adapter_tensors(model, dtype=None) -> dict:
 
 
 def write_adapter(folder: str, tensors: dict, config: dict) -> None:
-    """A PEFT adapter folder: adapter_config.json + adapter_model.safetensors."""
     os.makedirs(folder, exist_ok=True)
     file = os.path.join(folder, "adapter_model.safetensors")
     save_file({k: v.contiguous() for k, v in tensors.items()}, file, metadata={"format": "pt"})

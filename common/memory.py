@@ -90,7 +90,6 @@ class Job:
 def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype: str) -> tuple:
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
     b, short = BYTES[dtype], SHORT[dtype]  # the compute dtype's bytes per value, its short name
-    # LoRA: a frozen base in the compute dtype; the adapters (and head) in fp32
     base = {f"frozen {short} base": b * s.params / ranks} if s.adapters else {}
     trained, count = ("adapters", s.adapters) if s.adapters else ("weights", s.params)
     idle = {**base, f"{trained} + AdamW": 12 * count / ranks}  # grads: freed after each step
@@ -163,9 +162,8 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
     job (colocated critic and reward model offloaded if that fits) and the plan line."""
     if capacity is None:
         return job, f"memory plan (GPU size unknown, not checked): {describe(peak(job, GiB), None)}"
-    offloaded = replace(job, offload=True)
     if job.colocate and (job.critic or job.reward_model) and not fits(job, capacity):
-        job = offloaded if fits(offloaded, capacity) else job
+        job = offloaded if fits(offloaded := replace(job, offload=True), capacity) else job
     if not engine_weights_fit(job, capacity):
         need, short = BYTES[job.dtype] * job.policy.params / job.engine_tp / GiB, SHORT[job.dtype]
         raise InputError(f"memory plan: the engine's {short} weights ({need:.1f} GiB per GPU) do "
@@ -201,10 +199,9 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
               *, tokens: int, longest=0, top_p=1.0, colocate=False, critics=0, head="lm",
               entropy=False) -> bool:  # fmt: skip
     """GPU: plan a run (model folders), print the plan, refuse it if it cannot fit; return whether
-    idle models are offloaded. `flags`: the run's common/flags.py groups; the script's own flags by
-    keyword (tokens: --max-tokens-per-micro-batch; longest: prompt + response). `entropy`: the LM
-    head also gives H_t (a chunk more). CPU: each engine's KV cache holds a prompt + response (else
-    vLLM won't start), and all fit in RAM."""
+    idle models are offloaded. `flags`: the run's flag groups; the script's by keyword (tokens:
+    --max-tokens-per-micro-batch; longest: prompt + response; entropy: H_t, a head chunk more). CPU:
+    each engine's KV cache holds a prompt + response (else vLLM won't start), and all fit in RAM."""
     engines = flags.num_engines if isinstance(flags, Engines) else 0
     if not use_gpu and engines:
         shape = shape_of(policy)
@@ -248,8 +245,7 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
 
 
 def engine_memory(flags, use_gpu: bool = True, colocate: bool = False) -> float:
-    """--engine-memory (flags: the Engines group): the GPU's fraction (default 0.85, colocated 0.4);
-    CPU: KV-cache GiB (1)."""
+    """--engine-memory: the GPU's fraction (default 0.85, colocated 0.4); CPU: KV-cache GiB (1)."""
     if use_gpu and (flags.engine_memory or 0) > 1:  # the one check of the flag, in check_machine
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     return flags.engine_memory or ((0.4 if colocate else 0.85) if use_gpu else 1.0)

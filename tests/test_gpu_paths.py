@@ -18,7 +18,7 @@ from conftest import REPO
 from common import trainer as common_model
 from common.data import split_for_ranks
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"]
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
 
 
 def docstring_commands(module) -> list[list[str]]:

@@ -14,7 +14,16 @@ from conftest import REPO
 from common import flags
 from common.errors import flag_ranges, parse_args
 
-SCRIPTS = ["sft.py", "rm.py", "dpo.py", "grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
+SCRIPTS = [
+    "sft.py",
+    "rm.py",
+    "dpo.py",
+    "grpo.py",
+    "dapo.py",
+    "ppo.py",
+    "grpo_async.py",
+    "grpo_tools.py",
+]
 # Just above the sizes: growth past them is a decision, not drift. The trainer shell's move to
 # common/trainer.py (model load, FSDP2/LoRA, optimizer step, weight sync, save/load; the update stays
 # in each script) took each script down by 65-125 lines, the data plumbing's (common/data.py,
@@ -30,24 +39,28 @@ BUDGET = {  # + the entropy hook; + composed rewards (--verifier-weight, rollout
     "ppo.py": 850,  # the policy's and the critic's update
     "dapo.py": 620,  # its rounds carry each group's reward terms
     "grpo_async.py": 655,  # its reward workers return the terms
+    "grpo_tools.py": 718,  # grpo.py + its tagged diff (its own budget: 200 changed lines)
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
 PRESENT = [s for s in SCRIPTS if os.path.exists(os.path.join(REPO, s))]
 # Blocks that must stay byte-identical in the scripts listed (change them everywhere at once).
-RL = ["grpo.py", "dapo.py", "ppo.py", "grpo_async.py"]
-GRPO = ["grpo.py", "dapo.py", "grpo_async.py"]  # grpo.py and its variants
+RL = ["grpo.py", "dapo.py", "ppo.py", "grpo_async.py", "grpo_tools.py"]
+GRPO = ["grpo.py", "dapo.py", "grpo_async.py", "grpo_tools.py"]  # grpo.py and its variants
 SUPERVISED = ["sft.py", "rm.py", "dpo.py"]  # one trainer group, no engines
 SHARED = [  # (block, scripts); "script:Class.method" names a block under another name
     ("compute_logprobs", ["sft.py", "dpo.py", *RL]),
     ("reward_fn", ["sft.py", "dpo.py", *RL]),
     ("check_machine", SUPERVISED),
-    ("check_machine", ["grpo.py", "dapo.py"]),  # grpo_async.py never colocates
-    ("start_actors", ["grpo.py", "dapo.py"]),
+    ("check_machine", ["grpo.py", "dapo.py", "grpo_tools.py"]),  # grpo_async.py never colocates
+    ("start_actors", ["grpo.py", "dapo.py", "grpo_tools.py"]),
     ("plan_minibatches", GRPO),
     # a loss change lives in compute_loss / loss_weights; the update is the same in the family
     ("train_step", GRPO),
-    ("trainer_shell", ["grpo.py", "dapo.py"]),  # grpo_async.py's shares no GPU, one tagged line
+    (
+        "trainer_shell",
+        ["grpo.py", "dapo.py", "grpo_tools.py"],
+    ),  # grpo_async.py's shares no GPU, one tagged line
 ]
 
 
@@ -94,7 +107,14 @@ def test_common_stays_small():
     # with behaviour unchanged (~140), the progress bar made by Run itself, columnar JSON dropped.
     # The reward model actor, Resources.dp_size and data.within (~60; ppo.py and dpo.py to their
     # caps) fit by a third review's cuts (~53) and tighter docstrings in memory and models.
-    assert total <= 3500, f"common/ has {total} lines"
+    # grpo_tools.py's own modules (2026-11-28), its issue's "sandbox in common/": common/sandbox.py
+    # (the Python tool's isolation, each guarantee tested) and common/tools.py (the tool turn's
+    # tokens, the timed call, the calculator: no room for them in the script's 200-line diff) have
+    # a budget of their own; the rest held 3,500 by cuts (~24 lines in trainer, memory, models, lora)
+    # for what the tool loop added to the engines (per-episode routing, limits, stop strings).
+    tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
+    assert tools <= 220, f"common/tools.py and sandbox.py have {tools} lines"
+    assert total - tools <= 3500, f"common/ has {total - tools} lines besides tools and sandbox"
 
 
 @pytest.mark.parametrize("script", PRESENT)

@@ -1,0 +1,140 @@
+"""A model's Python run locally, no daemon: a fresh `python -I -u -c code` in its own session, with
+no environment or stdin, under rlimits (CPU, memory, file size, files, processes, no core), killed
+with its group at the time-out, its output cut as it comes. bubblewrap (else unshare) adds pid and
+network namespaces and (bubblewrap) a read-only system, a private /tmp. probe() tries each once."""
+
+import contextlib
+import functools
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from common.errors import InputError
+
+WRAPPERS = ("bubblewrap", "namespace", None)  # the most isolation first
+GUARANTEES = ("time", "memory", "processes", "output", "network", "filesystem")
+HOW_TO_GET = "bubblewrap 0.7+ (apt-get install bubblewrap); not root: unprivileged user namespaces"
+ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # no secrets
+# Run inside the namespaces: RLIMIT_NPROC set in a new user namespace counts the processes in it,
+# not the user's others; root, whom it exempts, becomes a uid of its own (owning, running nothing).
+PRELUDE = """import os, resource as r, sys
+for name, n in zip(("CPU", "AS", "FSIZE", "NOFILE", "NPROC", "CORE"), map(int, sys.argv[3:])):
+    r.setrlimit(getattr(r, "RLIMIT_" + name), (n, n))
+if uid := int(sys.argv[1]):
+    os.setgroups([]), os.setgid(uid), os.setuid(uid)
+os.execv(sys.executable, [sys.executable, "-I", "-u", "-c", sys.argv[2]])"""
+
+
+def _wrapper(how: str | None, disk_mb: int) -> list[str]:
+    """unshare or bwrap: new pid and network namespaces; bwrap's system and Python read-only (the
+    folders above 0755 for root's drop), a private /tmp, no --new-session (killpg must reach)."""
+    if how != "bubblewrap":
+        userns = ["-r"] if os.getuid() else []
+        return ["unshare", *userns, "--net", "--pid", "--fork", "--kill-child"] if how else []
+    want = {*"/usr /bin /sbin /lib /lib32 /lib64 /etc".split(), sys.prefix, sys.base_prefix,
+            os.path.dirname(os.path.realpath(sys.executable))}  # fmt: skip
+    keep = sorted(p for p in want if not any(p.startswith(q + "/") for q in want))
+    above = sorted({p[:i] for p in keep for i in range(1, len(p)) if p[i] == "/"})
+    return ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--die-with-parent", *(["--unshare-user"] if os.getuid() else
+                                   ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]),
+            *[a for p in above for a in ("--perms", "0755", "--dir", p)],
+            *[a for p in keep for a in ("--ro-bind-try", p, p)], "--proc", "/proc",
+            "--dev", "/dev", "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
+            "--chdir", "/tmp"]  # fmt: skip
+
+
+@functools.cache
+def probe() -> dict[str, str | None]:
+    """{guarantee: its mechanism here, or None where this machine lacks it}: the first layering that
+    runs a program here (wrapper; as root, first dropped to a uid of its own, then not)."""
+    root = os.getuid() == 0
+    tries = [(how, drop) for drop in dict.fromkeys((root, False)) for how in WRAPPERS]
+    how, drop = next((t for t in tries if _run("print(1)", *t, 5, 256, 9, 8) == "1\n"), (None, 0))
+    userns = "rlimit in user namespace" if how and not root else None
+    return {"time": "pid namespace + kill" if how else "session + kill", "memory": "rlimit",
+            "processes": "rlimit, own uid" if drop else userns, "output": "capped pipe",
+            "network": how, "filesystem": how if how == "bubblewrap" else None}  # fmt: skip
+
+
+def describe(held: dict) -> str:
+    """The start-up line: each guarantee ✓ (its mechanism) or ✗, then how to get those missing."""
+    marks = " ".join(f"{g} ✓ ({held[g]})" if held[g] else f"{g} ✗" for g in GUARANTEES)
+    lack = [g for g in GUARANTEES if not held[g]]
+    return f"sandbox: {marks}" + (f" (for {', '.join(lack)}: {HOW_TO_GET})" if lack else "")
+
+
+def check(mode: str) -> str:
+    """describe(probe()); mode "strict" raises InputError instead when a guarantee is missing."""
+    held = probe()
+    if mode == "strict" and (lack := [g for g in GUARANTEES if not held[g]]):
+        raise InputError(f"--sandbox strict: this machine lacks {', '.join(lack)}: {HOW_TO_GET}")
+    return describe(held)
+
+
+def run_python(code: str, *, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 2000,
+               max_procs: int = 16) -> str:  # fmt: skip
+    """Its stdout and stderr, merged and cut at max_output characters, then a line for a time-out,
+    a kill or a non-zero exit status. Never raises; nothing of it outlives the call."""
+    held = probe()  # its network mechanism is the wrapper; root's processes held: the drop
+    drop = os.getuid() == 0 and held["processes"] is not None
+    return _run(code, held["network"], drop, timeout, memory_mb, max_output, max_procs)
+
+
+def _run(code, how, drop, timeout, memory_mb, max_output, max_procs) -> str:
+    uid = 1 << 24 | int.from_bytes(os.urandom(3)) if drop else 0  # random: one per run
+    limits = (int(timeout) + 2, memory_mb << 20, 16 << 20, 64, max_procs, 0)
+    argv = [*_wrapper(how, memory_mb), sys.executable, "-I", "-c", PRELUDE, str(uid), code]
+    out, cut, rc = bytearray(), False, None
+    with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as tmp:
+        os.chown(tmp, uid or -1, uid or -1)  # the cwd, for root's drop (bwrap's is a tmpfs)
+        try:
+            p = subprocess.Popen([*argv, *map(str, limits)], cwd=tmp, env=ENV,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        except OSError as e:  # a wrapper gone; code too long for an argument
+            return f"error: could not start python ({e.strerror})"
+        deadline, ready = time.monotonic() + timeout, select.poll()  # select(): fds < 1024 only
+        ready.register(fd := p.stdout.fileno(), select.POLLIN)
+        try:
+            while not cut and (left := deadline - time.monotonic()) > 0:
+                chunk = os.read(fd, 1 << 16) if ready.poll(min(left, 0.01) * 1000) else None
+                if chunk == b"":  # closed by all: poll() only waits from now on
+                    ready.unregister(fd)
+                out += chunk or b""
+                cut = len(out) > 4 * max_output + 64  # a flood stops here, not in our memory
+                if not chunk and (rc := p.poll()) is not None:  # ended; the pipe quiet or closed
+                    break
+        finally:
+            _end(p.pid, uid or -1)
+            p.wait(), p.stdout.close()
+    text = out.decode(errors="replace")
+    if cut or len(text) > max_output:
+        text = f"{text[:max_output]}\n... [output cut at {max_output} characters]"
+    sig = -rc if rc and rc < 0 else rc - 128 if how == "bubblewrap" and 128 < (rc or 0) < 160 else 0
+    note = ("" if cut else f"error: timed out after {timeout:g} s" if rc is None
+            else f"error: killed by signal {sig} ({signal.strsignal(sig)})" if sig
+            else f"exit status {rc}" if rc else "")  # fmt: skip
+    return text + ("\n" if note and text and not text.endswith("\n") else "") + note
+
+
+def _end(pgid: int, uid: int) -> None:
+    """SIGKILL the group (its pid namespace goes with its init) and uid's, till none is alive."""
+    for _ in range(500):
+        left = [-pgid]  # the group at once, then each process seen
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError, ValueError):  # ended meanwhile
+                with open(f"/proc/{pid}/stat") as f:
+                    state, _, group = f.read().rpartition(")")[2].split()[:3]
+                if state != "Z" and (int(group) == pgid or os.stat(f"/proc/{pid}").st_uid == uid):
+                    left.append(int(pid))
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if len(left) == 1:
+            return
+        time.sleep(0.01)

@@ -1,0 +1,75 @@
+"""grpo_tools.py's tools: the tool turn's tokens, a call with a time limit whose failure is the
+model's to read, and the built-in calculator (the Python tool's sandbox is common/sandbox.py)."""
+
+import ast
+import operator
+import warnings
+
+from common.data import render
+from common.errors import InputError
+from common.rewards import Late, time_limit
+
+
+def tool_turn(tokenizer, content: str) -> list[int]:
+    """A tool message's tokens as the chat template renders them after an assistant turn's
+    end-of-turn token (the model's EOS, its last sampled token) up to the next assistant turn's
+    generation prompt: the conversation with the message, minus the same without it. A template
+    that does not render turn by turn (the message changes what came before it) is refused."""
+    eos, turns = tokenizer.eos_token_id, [{"role": "user", "content": "?"}]
+    turns.append({"role": "assistant", "content": "!"})
+    before = render(tokenizer, turns)
+    end = len(before) - before[::-1].index(eos) if eos in before else 0  # after the last EOS
+    after = render(tokenizer, [*turns, {"role": "tool", "content": content}], gen_prompt=True)
+    if not end or after[:end] != before[:end]:
+        why = "does not end assistant turns with EOS" if not end else "changes earlier turns"
+        raise InputError(
+            f"the chat template {why} when a tool message follows: tool turns "
+            "cannot be appended to the sampled tokens; use a model whose does not"
+        )
+    return after[end:]
+
+
+def call_tool(fn, text: str, timeout: float) -> str:
+    """A tool's output for the model's `text`: str(fn(text)); a raise or a hang over `timeout` s
+    is the output instead (the model reads it), and the run goes on."""
+    try:
+        with time_limit(timeout):
+            return str(fn(text))
+    except Late:
+        return f"error: the tool did not return within {timeout:g} s"
+    except Exception as e:
+        return f"error: {type(e).__name__}: {e}"
+
+
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+             ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}  # fmt: skip
+
+
+def calculator(expression: str) -> str:
+    """The value of an arithmetic expression (numbers, + - * / // % ** and parentheses; × and ^
+    read as * and **), from its syntax tree, never eval. Anything else, an exponent over 1000 or a
+    value over 1e100 is an error the model reads; it never raises."""
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](value(node.operand))
+        if not (isinstance(node, ast.BinOp) and type(node.op) in OPERATORS):
+            raise ValueError(f"not arithmetic: {ast.unparse(node)[:40]}")
+        left, right = value(node.left), value(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 1000:
+            raise ValueError("exponent over 1000")
+        result = OPERATORS[type(node.op)](left, right)
+        if isinstance(result, complex) or abs(result) > 1e100:
+            raise ValueError("not a real number of at most 1e100")
+        return result
+
+    try:
+        text = expression.replace("×", "*").replace("^", "**")
+        with warnings.catch_warnings(action="ignore"):  # "1if": a SyntaxWarning on stderr
+            result = value(ast.parse(text.strip(), mode="eval").body)
+        return str(round(result, 10) if isinstance(result, float) else result)
+    except Exception as e:  # a syntax error, 1/0, too deep, ...: the model reads what went wrong
+        return f"error: {type(e).__name__}: {e}"

@@ -1,0 +1,358 @@
+"""grpo_tools.py: the episode's tokens and masks, the loss over sampled tokens only, the template's
+tool turn, the per-turn token check, the calculator; end to end, a same-seed repeat and an exact
+resume with the trainer and the engines agreeing on every sampled token of every turn."""
+
+import os
+import random
+import re
+
+import pytest
+import torch
+from conftest import (
+    REPO,
+    assert_resume_is_exact,
+    only_run_dir,
+    read_jsonl,
+    run_script,
+    tagged_diff,
+)
+
+import grpo_tools
+from common.data import Prompt, make_sequence, render
+from common.errors import InputError, RunError
+from common.tools import calculator, call_tool, tool_turn
+
+TAG = re.compile(r"# TOOLS: \S")
+SMOL_TOOL_TURN = "\n<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+# ---- the episode's token list and its masks ----
+
+
+def test_make_sequence_masks_all_but_sampled_tokens():
+    """A made-up episode: prompt [1, 2], sampled [3, 4], a tool turn [5, 6], sampled [7]. The loss
+    mask is 1 exactly at the positions that predict sampled tokens; the per-token values (one per
+    sampled token) sit there, 0 elsewhere."""
+    seq = make_sequence([1, 2], [3, 4, 5, 6, 7], trained=[1, 1, 0, 0, 1], advantages=[0.5] * 3,
+                        engine_logprobs=[-1.0, -2.0, -3.0])  # fmt: skip
+    assert seq["input_ids"] == [1, 2, 3, 4, 5, 6, 7]
+    assert seq["labels"] == [2, 3, 4, 5, 6, 7, 0]
+    assert seq["loss_mask"] == [0, 1, 1, 0, 0, 1, 0]  # position t predicts labels[t]
+    assert seq["engine_logprobs"] == [0.0, -1.0, -2.0, 0.0, 0.0, -3.0, 0.0]
+    assert seq["advantages"] == [0.0, 0.5, 0.5, 0.0, 0.0, 0.5, 0.0]
+    assert make_sequence([1, 2], [3, 4])["loss_mask"] == [0, 1, 1, 0]  # single turn: unchanged
+
+
+def test_loss_weights_count_sampled_tokens_only():
+    """GRPO's 1/|o_i| divides by the tokens the policy sampled, not by the tool turns: two episodes
+    of 3 and 1 sampled tokens (6 and 1 response tokens in all) weigh each sampled token 1/(2·3) and
+    1/(2·1), and their weights sum to 1/2 each."""
+    args = grpo_tools.Args(num_trainers=1, num_minibatches=1, max_tokens_per_micro_batch=64)
+    sequences = [
+        ([1, 2], [3, 4, 5, 6, 7, 8], {"advantages": [1.0] * 3, "trained": [1, 0, 0, 0, 1, 1]}),
+        ([1, 2], [9], {"advantages": [-1.0], "trained": [1]}),
+    ]
+    shares = grpo_tools.plan_minibatches(sequences, 0, args)
+    rows = [mb for mini in shares[0] for mb in mini]
+    weights = torch.cat([mb["loss_weights"][0] for mb in rows])
+    masks = torch.cat([mb["loss_mask"][0] for mb in rows])
+    assert sorted(weights[masks.bool()].tolist()) == pytest.approx([1 / 6] * 3 + [1 / 2])
+    assert weights[~masks.bool()].abs().sum() == 0  # nothing on tool tokens or prompts
+
+
+def test_tool_tokens_get_no_loss_and_no_gradient(tiny_model, tokenizer):
+    """compute_logprobs gives log π at the sampled positions only, exactly the full forward's there
+    (the loss is a function of these alone: no tool-turn logit gets a gradient); the hand-computed
+    GRPO loss of one episode (one update, so ρ = 1: L = -Σ_t w_t min(π_θold/π_vllm, C) Â) matches
+    compute_loss; values beyond the sampled tokens change nothing."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    args = grpo_tools.Args()
+    prompt, response, trained = [5, 6, 7], [8, 9, 10, 11, 12], [1, 0, 0, 1, 1]
+    engine = [-3.0, -4.0, -5.0]
+
+    def loss_for(advantages, engine_logprobs):
+        seq = make_sequence(prompt, response, trained=trained, advantages=advantages,
+                            engine_logprobs=engine_logprobs, loss_weights=[1 / 3] * 3)  # fmt: skip
+        t = {k: torch.tensor([v]) for k, v in seq.items()}
+        inputs = (t["input_ids"], torch.arange(len(seq["input_ids"]))[None], t["labels"],
+                  t["loss_mask"])  # fmt: skip
+        logprobs = grpo_tools.compute_logprobs(model, *inputs)
+        mask = t["loss_mask"][0].bool()
+        values = {k: t[k][0, mask] for k in ("advantages", "engine_logprobs", "loss_weights")}
+        values["old_logprobs"] = logprobs.detach()
+        loss, _ = grpo_tools.compute_loss(logprobs, values, args)
+        return loss, logprobs
+
+    loss, logprobs = loss_for([1.0, 1.0, 1.0], engine)
+    assert logprobs.shape == (3,)  # the 3 sampled tokens: no tool-turn position reaches the loss
+    tis = torch.exp(logprobs.detach() - torch.tensor(engine)).clamp(max=args.tis_cap)
+    assert loss.item() == pytest.approx(-(tis * 1.0 / 3).sum().item(), rel=1e-6)
+    full = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0], -1)
+    sampled = [p for p, m in enumerate(make_sequence(prompt, response, trained)["loss_mask"]) if m]
+    labels = (prompt + response)[1:]
+    expected = torch.stack([full[p, labels[p]] for p in sampled])
+    assert torch.allclose(logprobs, expected, atol=1e-5)
+    # values given at tool positions cannot exist (one value per sampled token): extra ones are
+    # ignored, never shifted onto a sampled token
+    again, _ = loss_for([1.0, 1.0, 1.0, 99.0], engine + [7.0])
+    assert again.item() == loss.item()
+
+
+# ---- the template's tool turn ----
+
+
+def test_tool_turn_is_the_template_difference(tokenizer):
+    """The built-in template: the tool turn is exactly what the template puts between the model's
+    EOS and the next generation prompt, and prompt + call + EOS + tool turn + answer + EOS is the
+    whole conversation as the template renders it."""
+    assert tokenizer.decode(tool_turn(tokenizer, "4042")) == SMOL_TOOL_TURN.format("4042")
+    messages = [{"role": "user", "content": "What is 47 × 86?"}]
+    prompt = render(tokenizer, messages, gen_prompt=True)
+    call, answer = encode(tokenizer, "<calc>47*86</calc>"), encode(tokenizer, "4042")
+    eos = [tokenizer.eos_token_id]
+    episode = prompt + call + eos + tool_turn(tokenizer, "4042") + answer + eos
+    messages += [{"role": "assistant", "content": "<calc>47*86</calc>"},
+                 {"role": "tool", "content": "4042"}, {"role": "assistant", "content": "4042"}]  # fmt: skip
+    whole = render(tokenizer, messages)
+    assert whole[: len(episode)] == episode and tokenizer.decode(whole[len(episode) :]) == "\n"
+
+
+@pytest.mark.parametrize(
+    "template,why",
+    [("{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "does not end assistant turns"),
+     ("{% for m in messages %}{% if loop.last or m['role'] != 'assistant' %}{{ m['role'] }}: "
+      "{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}", "changes earlier turns")],
+    ids=["no-eos", "drops-history"],
+)  # fmt: skip
+def test_a_template_that_cannot_append_a_tool_turn_is_refused(tokenizer, template, why):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = template
+    with pytest.raises(InputError, match=why):
+        tool_turn(tokenizer, "4042")
+
+
+# ---- the turn loop, with a stand-in engine ----
+
+
+class ScriptedEngine:
+    """Stands in for common/engines.generate: each call is one turn; episode e's turn answers with
+    script[e][turn] (text), logprob -0.5 per token; `corrupt` (turn, episode) echoes a prompt with
+    one token changed, as an engine that re-encoded it would."""
+
+    def __init__(self, tokenizer, script, corrupt=None):
+        self.tokenizer, self.script, self.corrupt, self.calls = tokenizer, script, corrupt, []
+
+    def __call__(self, engines, prompts, *, n, temperature, top_p, max_tokens, seed, draw, index,
+                 stop):  # fmt: skip
+        turn = len(self.calls)
+        self.calls.append(dict(prompts=[list(p) for p in prompts], index=list(index), draw=draw,
+                               max_tokens=list(max_tokens), stop=stop))  # fmt: skip
+        out = []
+        for e, prompt, room in zip(index, prompts, max_tokens):
+            text = self.script[e][turn]
+            ids = encode(self.tokenizer, text.replace("<EOS>", ""))
+            ids = (ids + [self.tokenizer.eos_token_id] * text.endswith("<EOS>"))[:room]
+            echo = list(prompt)
+            if self.corrupt == (turn, e):
+                echo[-1] += 1
+            out.append([dict(token_ids=ids, logprobs=[-0.5] * len(ids), prompt_ids=echo,
+                             finish_reason="length" if len(ids) == room else "stop")])  # fmt: skip
+        return out
+
+
+def episodes_with(monkeypatch, tokenizer, script, corrupt=None, **flags):
+    engine = ScriptedEngine(tokenizer, script, corrupt)
+    monkeypatch.setattr(grpo_tools, "generate", engine)
+    args = grpo_tools.Args(num_generations=2, **flags)
+    prompt = render(tokenizer, [{"role": "user", "content": "What is 47 × 86?"}], gen_prompt=True)
+    batch = [Prompt(prompt, "4042", "", 1)]
+    tool = ("calc", "", calculator)
+    return (
+        grpo_tools.run_episodes([None], batch, 2, tool, tokenizer, args, draw="3"),
+        engine,
+        prompt,
+    )
+
+
+def test_an_episode_is_prompt_sampled_tool_turn_sampled(monkeypatch, tokenizer):
+    """Episode 0 calls the calculator (its turn ends at the stop string, so the loop adds the EOS),
+    reads 4042, answers; episode 1 answers at once. Each turn sends the previous prompt + the
+    sampled tokens + the tool turn, and the mask, log-probs and metrics follow."""
+    script = [["<calc>47*86</calc>", "4042<EOS>"], ["4000<EOS>"]]
+    (first, second), engine, prompt = episodes_with(monkeypatch, tokenizer, script)
+    eos = tokenizer.eos_token_id
+    call, answer = encode(tokenizer, "<calc>47*86</calc>"), encode(tokenizer, "4042") + [eos]
+    glue = [eos] + tool_turn(tokenizer, "4042")
+    assert first["ids"] == prompt + call + glue + answer
+    assert first["trained"] == [1] * len(call) + [0] * len(glue) + [1] * len(answer)
+    assert first["logprobs"] == [-0.5] * (len(call) + len(answer))  # the sampled tokens' only
+    assert first["final"] == answer and first["turns"] == 2 and first["tool_calls"] == 1
+    assert first["tool_tokens"] == len(glue) and not first["ended_on_call"]
+    assert second["ids"] == prompt + encode(tokenizer, "4000") + [eos] and second["turns"] == 1
+    turn1, turn2 = engine.calls
+    assert turn1["index"] == [0, 1] and turn2["index"] == [0]  # episode 0 keeps its engine
+    assert turn2["prompts"] == [prompt + call + glue]
+    assert (turn1["draw"], turn2["draw"]) == ("3/0", "3/1") and turn1["stop"] == ["</calc>"]
+    room = grpo_tools.Args().max_response_length
+    assert turn2["max_tokens"] == [room - len(call) - len(glue)]  # the episode's budget, shared
+
+
+def test_a_tool_error_is_its_output_and_the_turn_cap_ends_an_episode(monkeypatch, tokenizer):
+    script = [["<calc>47 plus 86</calc>", "<calc>1/0</calc>"], ["<calc>2*3</calc>", "6<EOS>"]]
+    (first, second), engine, _ = episodes_with(monkeypatch, tokenizer, script, max_turns=2)
+    text = tokenizer.decode(first["ids"])
+    assert "<|im_start|>tool\nerror: SyntaxError" in text and first["tool_errors"] == 1
+    assert first["ended_on_call"] and first["turns"] == 2  # its second call is never run
+    assert "ZeroDivisionError" not in text and second["tool_errors"] == 0
+    metrics = grpo_tools.tool_metrics([first, second], "rollout")
+    assert metrics["rollout/tool_calls"] == 1.0 and metrics["rollout/ended_on_call"] == 0.5
+
+
+def test_a_prompt_the_engine_read_otherwise_stops_the_run(monkeypatch, tokenizer):
+    """The per-turn check: an engine that reads the second turn's prompt with one token changed
+    (as a re-encoding would) stops the run in one line naming the episode and the turn."""
+    script = [["<calc>47*86</calc>", "4042<EOS>"], ["4000<EOS>"]]
+    with pytest.raises(RunError) as error:
+        episodes_with(monkeypatch, tokenizer, script, corrupt=(1, 0))
+    message = str(error.value.code)
+    assert "episode 1, turn 2: the engine's prompt differs" in message and "\n" not in message
+
+
+def test_no_room_for_an_answer_ends_the_episode(monkeypatch, tokenizer):
+    script = [["<calc>47*86</calc>"], ["<calc>47*86</calc>"]]
+    call = len(encode(tokenizer, "<calc>47*86</calc>"))
+    episodes, engine, _ = episodes_with(monkeypatch, tokenizer, script,
+                                        max_response_length=call + 3)  # fmt: skip
+    assert all(e["finish_reason"] == "length" and e["turns"] == 1 for e in episodes)
+    assert len(engine.calls) == 1 and all(len(e["trained"]) == call for e in episodes)
+
+
+# ---- tools ----
+
+
+def random_expression(rng: random.Random, depth: int = 0) -> str:
+    atoms = [str(rng.randint(-99, 10**6)), f"{rng.random() * 100:.3f}", "0", "x", "__import__('os')",
+             "9" * rng.randint(1, 400), "()", "[1]", "'a'", "1e308", "True", "", "(", "**"]  # fmt: skip
+    if depth > 3 or rng.random() < 0.3:
+        return rng.choice(atoms)
+    op = rng.choice(["+", "-", "*", "/", "//", "%", "**", "^", "×", " ", ".", "<<", "and", ","])
+    left, right = random_expression(rng, depth + 1), random_expression(rng, depth + 1)
+    return rng.choice([f"{left}{op}{right}", f"({left}{op}{right})", f"-{left}"])
+
+
+def test_the_calculator_never_raises_and_is_exact_on_arithmetic():
+    rng = random.Random(0)
+    for _ in range(1000):
+        expression = random_expression(rng)
+        out = calculator(expression)
+        assert isinstance(out, str) and out, expression
+    for _ in range(200):  # whitelisted arithmetic: Python's own value, as text
+        a, b, c = (rng.randint(-999, 999) for _ in range(3))
+        op1, op2 = rng.choice("+-*"), rng.choice(["+", "-", "*", "//", "%"])
+        expression = f"({a}{op1}{b}){op2}{c if c else 7}"
+        assert calculator(expression) == str(eval(expression)), expression
+    assert calculator("47 × 86") == "4042" and calculator("2^10") == "1024"
+    assert calculator("7/2") == "3.5"
+    for bad in ("__import__('os').system('true')", "x", "(1).real", "abs(-1)", "9**9**9",
+                "10**101", "(-8)**0.5", "1/0", "(" * 1000 + "1" + ")" * 1000, "-" * 100_000 + "1"):  # fmt: skip
+        assert calculator(bad).startswith("error:"), bad
+
+
+def test_a_tools_failure_or_hang_is_its_output(tmp_path):
+    def boom(text):
+        raise KeyError(text)
+
+    def hang(text):
+        import time
+
+        time.sleep(30)
+
+    assert call_tool(boom, "x", 5) == "error: KeyError: 'x'"
+    assert call_tool(hang, "x", 0.5) == "error: the tool did not return within 0.5 s"
+    assert call_tool(lambda text: 42, "x", 5) == "42"
+
+
+def test_parse_call_reads_both_formats():
+    parse = grpo_tools.parse_call
+    assert parse("I will <calc> 47*86 </calc> now", "calc", "tags") == "47*86"
+    assert parse("<calc>47*86", "calc", "tags") is None and parse("4042", "calc", "tags") is None
+    hermes = '<tool_call>\n{"name": "calc", "arguments": {"input": "47*86"}}\n</tool_call>'
+    assert parse(hermes, "calc", "hermes") == "47*86"
+    assert parse(hermes.replace('"calc"', '"web"'), "calc", "hermes") is None
+    assert parse("<tool_call>{not json}</tool_call>", "calc", "hermes") is None
+
+
+# ---- end to end: engines, trainers, a same-seed repeat, an exact resume ----
+
+RUNNER = """import sys
+sys.path.insert(0, {repo!r})
+import grpo_tools
+from common.errors import parse_args
+
+# The functions a user edits, edited for a random tiny model, which never writes a call: a turn
+# ends at a space (the stop string) and calls the tool when its text has an odd length.
+grpo_tools.STOP = {{"tags": " "}}
+grpo_tools.parse_call = lambda text, name, form: text.strip() if len(text) % 2 else None
+grpo_tools.main(parse_args(grpo_tools.Args))
+"""
+
+
+@pytest.mark.cpu_engine("CPU engines by design (gloo weight sync); the GPU tier runs grpo.py's")
+def test_grpo_tools_end_to_end_repeats_and_resumes_exactly(tiny_model, tmp_path):
+    """Two trainer ranks and two engines; episodes of up to 3 turns with real tool turns. The
+    trainer and the engines agree on every sampled token of every turn (fp32: 1e-4), two runs of
+    one seed log the same, and a resumed run repeats the steps after its checkpoint exactly."""
+    (tmp_path / "edited").mkdir()  # named as the script: its runs are grpo_tools.py's
+    runner = tmp_path / "edited" / "grpo_tools.py"
+    runner.write_text(RUNNER.format(repo=REPO))
+    flags = ("--model", tiny_model, "--num-steps", "2", "--prompts-per-step", "2",
+             "--num-generations", "2", "--num-trainers", "2", "--num-engines", "2",
+             "--max-response-length", "48", "--save-every", "1", "--no-save-final", "--seed", "3",
+             "--dataset", "data/multiply/prompts_train.jsonl",
+             "--eval-dataset", "data/multiply/prompts_test.jsonl")  # fmt: skip
+    runs = []
+    for name in ("a", "b"):
+        argv = (*flags, "--output-dir", str(tmp_path / name))
+        result = run_script(str(runner), *argv, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append((only_run_dir(tmp_path / name), argv))
+    (run_a, argv_a), (run_b, _) = runs
+    metrics = read_jsonl(os.path.join(run_a, "metrics.jsonl"))
+    steps = [row for row in metrics if row["step"] > 0]
+    assert [row["step"] for row in metrics] == [0, 1, 2]
+    assert all(row["train/logprob_diff_max"] <= 1e-4 for row in steps), steps
+    assert sum(row["rollout/tool_calls"] for row in steps) > 0  # tool turns were trained beside
+    assert "eval/turns" in metrics[0]
+    samples = read_jsonl(os.path.join(run_a, "samples.jsonl"))
+    assert any("<|im_start|>tool\n" in row["response"] for row in samples)
+
+    def numbers(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    assert numbers(read_jsonl(os.path.join(run_b, "metrics.jsonl"))) == numbers(metrics)
+    assert read_jsonl(os.path.join(run_b, "samples.jsonl")) == samples
+    assert_resume_is_exact(str(runner), argv_a, run_a)
+
+
+def test_the_built_in_task_holds_out_a_quarter():
+    train = read_jsonl(os.path.join(REPO, "data/multiply/prompts_train.jsonl"))
+    test = read_jsonl(os.path.join(REPO, "data/multiply/prompts_test.jsonl"))
+    sft = read_jsonl(os.path.join(REPO, "data/multiply/sft_train.jsonl"))
+    question = {row["prompt"][0]["content"] for row in test}
+    assert not question & {row["prompt"][0]["content"] for row in train}
+    assert not question & {row["messages"][1]["content"] for row in sft}
+    for row in sft:  # the transcripts: the calculator's value is the answer
+        call, result, answer = (m["content"] for m in row["messages"][2:])
+        assert calculator(call.removeprefix("<calc>").removesuffix("</calc>")) == result == answer
+
+
+def test_diff_to_grpo_is_within_its_budget_and_every_hunk_is_tagged():
+    changed, untagged, _ = tagged_diff("grpo.py", "grpo_tools.py", TAG)
+    assert 0 < changed <= 200, f"grpo_tools.py changes {changed} lines of grpo.py (budget 200)"
+    assert not untagged, f"hunks without a `# TOOLS: ...` tag near grpo_tools.py lines {untagged}"
