@@ -123,6 +123,28 @@ def test_tool_turn_is_the_template_difference(tokenizer):
     assert whole[: len(episode)] == episode and tokenizer.decode(whole[len(episode) :]) == "\n"
 
 
+# A Qwen2.5-style template (written for this test): a tool message is a user turn wrapping
+# <tool_response>, consecutive tool messages share one turn.
+HERMES_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}"
+    "{% endif %}{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}"
+    "{% endif %}{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_hermes_template_renders_the_tool_turn_through_its_tool_role(tokenizer):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    expected = "\n<|im_start|>user\n<tool_response>\n4042\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tool_turn(tokenizer, "4042")) == expected
+    call = '<tool_call>\n{"name": "calc", "arguments": {"input": "47*86"}}\n</tool_call>'
+    assert grpo_tools.parse_call(call, "calc", "hermes") == "47*86"
+    assert grpo_tools.STOP["hermes"] == "</tool_call>"
+
+
 @pytest.mark.parametrize(
     "template,why",
     [("{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "does not end assistant turns"),
