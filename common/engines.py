@@ -190,9 +190,9 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
     seeds = sample_seeds(seed, draw, index) if draw is not None else None
     rows = [[i for i, number in enumerate(index) if number % k == e] for e in range(k)]
     part = lambda v, mine: [v[i] for i in mine] if isinstance(v, list) else v  # noqa: E731
-    refs = [e.generate.remote(part(prompts, mine), n, temperature, top_p,
-                              part(max_tokens, mine), part(seeds, mine), stop)
-            for e, mine in zip(engines, rows)]  # fmt: skip
+    refs = [e.generate.remote(part(prompts, mine), n, temperature, top_p, part(max_tokens, mine),
+                              part(seeds, mine), **({"stop": stop} if stop else {}))
+            for e, mine in zip(engines, rows)]  # no stop: AsyncEngine's too  # fmt: skip
     outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
     placed = {i: samples for mine, out in zip(rows, outs) for i, samples in zip(mine, out)}
     return [placed[i] for i in range(len(prompts))]
