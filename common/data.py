@@ -251,14 +251,14 @@ def make_sequence(prompt: list[int], response: list[int], trained=None, **per_re
     """One RL training sequence, shifted once here: position t predicts labels[t] = ids[t+1].
     Per-token values (advantages, logprobs, returns, loss weights, ...) sit at the positions that
     predict response tokens, lined up with what compute_logprobs (ppo.py: compute_values) returns
-    for the masked positions; in the update, `response_values` reads them back, (N,) by name.
-    `trained` (0/1 per response token; default all 1): the tokens the loss sees, those the policy
-    sampled (a tool's output is context only); the values are given for those tokens alone."""
+    for the masked positions; `response_values` reads them back, (N,) by name. `trained` (0/1 per
+    response token, default 1s): what the policy sampled (not tool output), each with a value."""
     ids, trained = prompt + response, [1] * len(response) if trained is None else list(trained)
-    pad = [0.0] * (len(prompt) - 1)
-    mask = [0] * (len(prompt) - 1) + trained + [0]
+    pad, mask = [0.0] * (len(prompt) - 1), [0] * (len(prompt) - 1) + trained + [0]
     seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask}
     for key, values in per_response.items():
+        if len(values) != sum(trained):  # one per trained token: never shifted onto another
+            raise ValueError(f"make_sequence: {len(values)} {key} for {sum(trained)} tokens")
         values = iter(values)
         seq[key] = pad + [next(values) if t else 0.0 for t in trained] + [0.0]
     return seq

@@ -51,17 +51,18 @@ def calculator(expression: str) -> str:
     read as * and **), from its syntax tree, never eval. Anything else, an exponent over 1000 or a
     value over 1e100 is an error the model reads; it never raises."""
 
-    def value(node):
+    def value(node):  # every operand and result at most 1e100: no power runs for long
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](value(node.operand))
-        if not (isinstance(node, ast.BinOp) and type(node.op) in OPERATORS):
+            result = node.value
+        elif isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
+            result = OPERATORS[type(node.op)](value(node.operand))
+        elif isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 1000:
+                raise ValueError("exponent over 1000")
+            result = OPERATORS[type(node.op)](left, right)
+        else:
             raise ValueError(f"not arithmetic: {ast.unparse(node)[:40]}")
-        left, right = value(node.left), value(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 1000:
-            raise ValueError("exponent over 1000")
-        result = OPERATORS[type(node.op)](left, right)
         if isinstance(result, complex) or abs(result) > 1e100:
             raise ValueError("not a real number of at most 1e100")
         return result

@@ -68,7 +68,7 @@ def test_tool_tokens_get_no_loss_and_no_gradient(tiny_model, tokenizer):
     """compute_logprobs gives log π at the sampled positions only, exactly the full forward's there
     (the loss is a function of these alone: no tool-turn logit gets a gradient); the hand-computed
     GRPO loss of one episode (one update, so ρ = 1: L = -Σ_t w_t min(π_θold/π_vllm, C) Â) matches
-    compute_loss; values beyond the sampled tokens change nothing."""
+    compute_loss; values that do not match the sampled tokens are refused."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
@@ -98,10 +98,9 @@ def test_tool_tokens_get_no_loss_and_no_gradient(tiny_model, tokenizer):
     labels = (prompt + response)[1:]
     expected = torch.stack([full[p, labels[p]] for p in sampled])
     assert torch.allclose(logprobs, expected, atol=1e-5)
-    # values given at tool positions cannot exist (one value per sampled token): extra ones are
-    # ignored, never shifted onto a sampled token
-    again, _ = loss_for([1.0, 1.0, 1.0, 99.0], engine + [7.0])
-    assert again.item() == loss.item()
+    # one value per sampled token: a list of another length is refused, never shifted onto a token
+    with pytest.raises(ValueError, match="4 advantages for 3 tokens"):
+        loss_for([1.0, 1.0, 1.0, 99.0], engine)
 
 
 # ---- the template's tool turn ----
@@ -282,7 +281,7 @@ def test_the_calculator_never_raises_and_is_exact_on_arithmetic():
     assert calculator("47 × 86") == "4042" and calculator("2^10") == "1024"
     assert calculator("7/2") == "3.5"
     for bad in ("__import__('os').system('true')", "x", "(1).real", "abs(-1)", "9**9**9",
-                "10**101", "(-8)**0.5", "1/0", "(" * 1000 + "1" + ")" * 1000, "-" * 100_000 + "1"):  # fmt: skip
+                "10**101", "(-8)**0.5", "9" * 4000 + "**1000", "1/0", "(" * 1000 + "1" + ")" * 1000, "-" * 100_000 + "1"):  # fmt: skip
         assert calculator(bad).startswith("error:"), bad
 
 
