@@ -1,5 +1,4 @@
-"""DPO: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), with IPO and
-cDPO.
+"""DPO: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), IPO, cDPO.
 
 RLHF with a KL-regularised reward has a closed-form optimal policy, so the reward can be written
 through the policy itself: r(x, y) = β log π_θ(y|x) / π_ref(y|x) (+ a term of x alone, which cancels
@@ -48,10 +47,11 @@ from common.prompts import read_prompts
 from common.ring_attn import sequence_sums, shard_micro_batch
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
+from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(LoRA, Resources, Experiment):  # common/flags.py's flags come first
+class Args(Weights, LoRA, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model (also π_ref, the frozen start)"""
@@ -91,13 +91,13 @@ class Args(LoRA, Resources, Experiment):  # common/flags.py's flags come first
     """token budget of one packed micro-batch on one rank (default: 1024, or one pair if more;
     raise it on GPU); gradients accumulate over micro-batches"""
     learning_rate: Annotated[float, "> 0"] = 2e-5
-    """peak learning rate of AdamW"""
+    """peak learning rate (both halves of Muon too)"""
     warmup_steps: Annotated[int, ">= 0"] = 2
     """linear warm-up steps, then cosine decay"""
     min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
     """the cosine decays to learning_rate * min_lr_ratio"""
     weight_decay: Annotated[float, ">= 0"] = 0.0
-    """AdamW weight decay"""
+    """decoupled weight decay (AdamW's, Muon's)"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
@@ -152,13 +152,10 @@ def sequence_logprobs(model, mb: dict, sp_group=None) -> torch.Tensor:
 def compute_dpo_loss(
     chosen_logratios, rejected_logratios, beta: float, label_smoothing=0.0, ipo=False
 ):
-    """Per-pair loss from Δ = log π_θ(y|x) - log π_ref(y|x) of the chosen and rejected responses,
-    all (P,).
-
+    """Per-pair loss from Δ = log π_θ(y|x) - log π_ref(y|x) of the chosen and rejected, all (P,).
     One loss, three documented variants of the same algorithm: DPO (ε = 0), cDPO (ε > 0), IPO
     (ipo=True; a squared loss that stops pushing once the log-ratio gap reaches 1/(2β) instead of
-    driving it to infinity).
-    """
+    driving it to infinity)."""
     h = chosen_logratios - rejected_logratios
     if ipo:
         return (h - 1 / (2 * beta)) ** 2
@@ -188,9 +185,8 @@ def compute_pair_losses(model, ref, mb: dict, args: Args, sp_group=None):
 
 # ALGO LOGIC: what each step logs (docs/dpo.md lists every key).
 def pair_stats(losses: torch.Tensor, rewards: torch.Tensor) -> dict:
-    """Sums over one micro-batch of pairs: the loss and the implicit rewards β Δ (P, 2) of chosen
-    and rejected; a pair is ranked right when its margin is > 0, a tie (h = 0, as at step 0) counts
-    half."""
+    """Sums over a micro-batch of pairs: the loss, the implicit rewards β Δ (P, 2) of chosen and
+    rejected, and the pairs ranked right (margin > 0; a tie, h = 0 as at step 0, counts half)."""
     margins = rewards[:, 0] - rewards[:, 1]
     return {
         "loss": losses.sum(),
@@ -234,10 +230,9 @@ def pair_losses(trainer, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
     mb = {k: v.to(trainer.device) for k, v in mb.items()}
     mb["seq_index"] = (mb["positions"] == 0).cumsum(1) - 1  # (1, T) each token's sequence
     mb["num_seqs"] = mb["seq_index"][0, -1] + 1
-    sp = trainer.sp
-    mb = shard_micro_batch(mb, sp.rank, sp.size)  # this rank's part of every row
+    mb = shard_micro_batch(mb, trainer.sp.rank, trainer.sp.size)  # this rank's part of every row
     ref = trainer.frozen["ref_logprobs"]  # π_ref
-    return compute_pair_losses(trainer.model, ref, mb, trainer.args, sp.group)
+    return compute_pair_losses(trainer.model, ref, mb, trainer.args, trainer.sp.group)
 
 
 def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) -> dict:
@@ -285,6 +280,7 @@ def main(args: Args):
     # a batch: dealt to the DP groups (balanced by tokens), packed into micro-batches, SP-split
     split = (args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size)
 
+    @ema_weights(trainers, None, args.eval_ema)  # --eval-ema: θ_ema's
     def evaluate(step: int) -> dict:
         metrics = {}
         if "eval" in pairs:
@@ -322,6 +318,7 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k != "train/lr"]
         run.log(done, metrics, (*update, *console))
+        keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)
@@ -411,6 +408,7 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
     settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
                     gradient_checkpointing=args.gradient_checkpointing, frozen=["ref_logprobs"],
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    optimizer=args.optimizer, ema=args.ema_beta,
                     warmup_steps=args.warmup_steps, num_steps=args.num_steps,
                     min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_policy, paths, settings, args

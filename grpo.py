@@ -25,7 +25,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import ray
 import torch
@@ -46,10 +46,11 @@ from common.rewards import composed_reward, reward_terms, score_responses
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
+from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags come first
+class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
@@ -94,7 +95,10 @@ class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags com
     kl_coef: Annotated[float, ">= 0"] = 0.0
     """β: weight of the k3 KL to the frozen reference model (0: no reference model is loaded)"""
     tis_cap: Annotated[float, ">= 1"] = 2.0
-    """C: cap of the truncated importance weight π_θold / π_vllm"""
+    """C: cap of the truncated importance weight π_θold / π_vllm (IcePop: its band is [1/C, C])"""
+    is_correction: Literal["tis", "icepop"] = "tis"
+    """how tokens sampled by vLLM are reweighted: tis, by min(π_θold / π_vllm, C); icepop, by the
+    ratio inside [1/C, C] and masked (weight 0) outside it, both sides (compute_loss)"""
     num_minibatches: Annotated[int, ">= 1"] = 1
     """optimizer steps per rollout batch (the batch is split into this many minibatches)"""
     num_epochs: Annotated[int, ">= 1"] = 1
@@ -109,13 +113,13 @@ class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags com
     """token budget of one packed micro-batch on one rank (default: 512, or one longest prompt +
     response if more; raise it on GPU); gradients accumulate over micro-batches"""
     learning_rate: Annotated[float, "> 0"] = 2e-5
-    """peak learning rate of AdamW"""
+    """peak learning rate (both halves of Muon too)"""
     warmup_steps: Annotated[int, ">= 0"] = 2
     """linear warm-up steps, then cosine decay"""
     min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
     """the cosine decays to learning_rate * min_lr_ratio"""
     weight_decay: Annotated[float, ">= 0"] = 0.0
-    """AdamW weight decay"""
+    """decoupled weight decay (AdamW's, Muon's)"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
@@ -201,6 +205,17 @@ def compute_kl(logprobs, ref_logprobs):
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def importance_weights(old_logprobs, engine_logprobs, args: Args) -> torch.Tensor:
+    """Each token's weight for the sampler's mismatch (N,): vLLM sampled the tokens, not π_θold.
+    With r_t = π_θold / π_vllm, TIS (Yao et al. 2025) weights by min(r_t, C); IcePop (Ring-1T,
+    arXiv 2510.18855) by r_t inside [1/C, C] and 0 outside it: a token the two disagree on either
+    way is dropped from the gradient, not clipped (where r_t = 1 both give exactly 1)."""
+    ratio = torch.exp(old_logprobs - engine_logprobs)
+    if args.is_correction == "icepop":
+        return torch.where((ratio >= 1 / args.tis_cap) & (ratio <= args.tis_cap), ratio, 0.0)
+    return ratio.clamp(max=args.tis_cap)
+
+
 def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
     """GRPO's aggregation over one minibatch: mean over each response's tokens, then over responses,
     L = 1/N Σ_i 1/|o_i| Σ_t ℓ_it.
@@ -211,15 +226,15 @@ def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
 
 def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The loss on one micro-batch's response tokens, and per-token stats to sum (train/<name>):
-        L = Σ_t w_t [ min(π_θold / π_vllm, C) · clipped surrogate_t  +  β KL_k3,t ]
+        L = Σ_t w_t [ IS_t · clipped surrogate_t  +  β KL_k3,t ]
     logprobs (N,) are π_θ's; `values` holds the micro-batch's other per-token values, (N,) each:
     those the loop gave make_sequence (advantages, engine_logprobs), the aggregation's loss_weights
     w_t, old_logprobs (π_θold) and, with a reference, ref_logprobs. TIS: the tokens were sampled by
     vLLM, whose numerics differ from the trainer's, not by π_θold itself; each token is reweighted
-    by its capped likelihood ratio.
+    by IS_t, its likelihood ratio capped (TIS) or masked (IcePop): importance_weights.
     """
     old = values["old_logprobs"]
-    tis = torch.exp(old - values["engine_logprobs"]).clamp(max=args.tis_cap)
+    tis = importance_weights(old, values["engine_logprobs"], args)
     eps = (args.clip_eps, args.clip_eps)  # [1 - ε, 1 + ε]
     pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], *eps)
     token_loss = tis * pg_loss
@@ -230,6 +245,8 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torc
         kl = compute_kl(logprobs, values["ref_logprobs"])
         token_loss = token_loss + args.kl_coef * kl
         stats["kl"] = kl.sum()
+    if args.is_correction == "icepop":  # the share of tokens the mask dropped
+        stats["icepop_masked"] = (tis == 0).sum()
     return (token_loss * values["loss_weights"]).sum(), stats
 
 
@@ -358,6 +375,7 @@ def main(args: Args):
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
     timeout = args.reward_timeout  # seconds one reward call may take
 
+    @ema_weights(trainers, lambda: sync_weights(trainers, engines, False), args.eval_ema)
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
@@ -383,6 +401,7 @@ def main(args: Args):
             for i in range(min(len(texts), 2 * G))
         ]  # fmt: skip
         run.log_samples(done, rows)
+        keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)
@@ -565,7 +584,7 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
                     gradient_checkpointing=args.gradient_checkpointing, frozen=frozen_models(args),
                     learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
                     num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
-                    weight_decay=args.weight_decay,
+                    weight_decay=args.weight_decay, optimizer=args.optimizer, ema=args.ema_beta,
                     max_grad_norm=args.max_grad_norm, colocate=args.colocate)  # fmt: skip
     return load_policy, paths, settings, args
 

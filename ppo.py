@@ -4,14 +4,12 @@ Ziegler et al. 2019, arXiv 1909.08593; Schulman et al. 2017, arXiv 1707.06347).
 Sample responses from the policy π_θ, score each whole response (a rule verifier, or an rm.py reward
 model), and turn it into a per-token reward with a KL penalty to the frozen start policy π_ref (k1):
     r_t = -β (log π_θold(o_t) - log π_ref(o_t))  +  [t = last token] · score(q, o)
-A critic V_φ (the backbone with a scalar head, read at every token) gives the baseline; GAE(γ, λ)
-the advantages:
+A critic V_φ (the backbone, a scalar head read at every token) is the baseline; GAE(γ, λ) gives Â:
     δ_t = r_t + γ V(s_t+1) - V(s_t),  Â_t = Σ_l (γλ)^l δ_t+l,  R_t = Â_t + V(s_t),  V = 0 at the end
     L_π = -min(ρ_t Â_t, clip(ρ_t, 1-ε, 1+ε) Â_t)      Â whitened over the batch, ρ_t = π_θ / π_θold
     L_V = ½ max((V_φ - R_t)², (clip(V_φ, V_old - ε_v, V_old + ε_v) - R_t)²)
-Policy trainers (with the reference) and critic trainers are separate FSDP2 actor groups; vLLM
-engines sample; after every step the policy pushes its weights to the engines. β is fixed, or
-adapted toward a target KL.
+Policy trainers (with π_ref) and critics are separate FSDP2 actor groups; vLLM engines sample and
+get the policy's weights after every step. β is fixed, or adapted toward a target KL.
 
 Run it:
     python ppo.py                                     # built-in model and arithmetic task, CPU/GPU
@@ -29,7 +27,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import ray
 import torch
@@ -51,10 +49,11 @@ from common.rewards import composed_reward, reward_terms, score_responses
 from common.tracking import Run
 from common.trainer import Critic, Trainer, load_model, load_policy
 from common.weight_sync import sync_weights
+from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags come first
+class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
@@ -102,6 +101,11 @@ class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags com
     """nucleus sampling"""
     clip_eps: Annotated[float, "> 0, < 1"] = 0.2
     """ε: PPO clip range of the ratio π_θ / π_θold"""
+    is_correction: Literal["none", "tis", "icepop"] = "none"
+    """how tokens sampled by vLLM are reweighted: none (classic PPO-RLHF, docs/ppo.md); tis, by
+    min(π_θold / π_vllm, C); icepop, by the ratio inside [1/C, C], 0 outside it (compute_loss)"""
+    tis_cap: Annotated[float, ">= 1"] = 2.0
+    """C: cap of the truncated importance weight (IcePop: its band is [1/C, C])"""
     value_clip_eps: Annotated[float, "> 0"] = 0.2
     """ε_v: a value prediction may move at most this far from V_old before its loss is clipped"""
     gamma: Annotated[float, ">= 0, <= 1"] = 1.0
@@ -137,7 +141,7 @@ class Args(LoRA, Engines, Resources, Experiment):  # common/flags.py's flags com
     min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
     """the cosine decays to learning_rate * min_lr_ratio"""
     weight_decay: Annotated[float, ">= 0"] = 0.0
-    """AdamW weight decay"""
+    """decoupled weight decay (AdamW's, Muon's)"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
@@ -181,13 +185,11 @@ def reward_fn(response: str, answer: str) -> float:
 def load_critic(
     path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto", pad_token_id=None
 ):
-    """V_φ: a sequence classifier with one label (rm.py's class), its head read at every token.
-
-    From a causal LM the head `score` is new: it starts at zero, so V = 0 and the first advantages
-    are the whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's
-    default). Sharded as every model is (common/trainer.py's load_model); with `adapters`
-    (--lora-rank) its own LoRA adapters on its own frozen copy of the base, the head trained whole.
-    """
+    """V_φ: a sequence classifier with one label (rm.py's class), its head read at every token. From
+    a causal LM the head `score` is new: it starts at zero, so V = 0 and the first advantages are
+    the whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's default).
+    Sharded as every model is (common/trainer.py's load_model); with `adapters` (--lora-rank) its
+    own LoRA adapters on its own frozen copy of the base, the head trained whole."""
     model, missing = load_model(AutoScoreModel, path, device, gradient_checkpointing, adapters,
                                 dtype, num_labels=1)  # fmt: skip
     if model.config.pad_token_id is None:  # HF's own scoring needs it
@@ -204,12 +206,9 @@ def load_critic(
 
 
 def compute_values(model, input_ids, position_ids, mask) -> torch.Tensor:
-    """V_φ(s_t) at every position where mask is 1: (1, T) packed rows -> (N,).
-
-    The classifier's own output keeps one score per row; a hook catches the head's score at every
-    position. Position t holds the state before the response token it predicts, the same positions
-    as compute_logprobs.
-    """
+    """V_φ(s_t) at every position where mask is 1: (1, T) packed rows -> (N,). The classifier's
+    output keeps one score per row; a hook catches the head's at every position. Position t holds
+    the state before the response token it predicts, the same positions as compute_logprobs."""
     head_out = []
     hook = model.score.register_forward_hook(lambda module, inputs, out: head_out.append(out))
     try:
@@ -220,10 +219,8 @@ def compute_values(model, input_ids, position_ids, mask) -> torch.Tensor:
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float):
-    """Per-token rewards (B, T): -β k1 KL on every response token, plus the response's score on its
-    last token. scores (B,); logprobs, ref_logprobs, response_mask (B, T), responses left-aligned.
-    Also returns the k1 KL.
-    """
+    """Per-token rewards (B, T), and the k1 KL: -β KL on every response token, plus the response's
+    score on its last. scores (B,); logprobs, ref_logprobs, response_mask (B, T), left-aligned."""
     kl = (logprobs - ref_logprobs) * response_mask  # k1: log π_θold - log π_ref, unbiased
     rewards = -kl_coef * kl
     last = response_mask.sum(dim=1).long() - 1  # (B,) index of each response's last token
@@ -264,7 +261,7 @@ def masked_whiten(x, mask, eps: float = 1e-8):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over the masked tokens: 1 a perfect critic, 0 a constant one."""
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 perfect, 0 a constant critic, < 0 worse."""
     n = mask.sum()
     var = lambda x: (((x - (x * mask).sum() / n) ** 2) * mask).sum() / n  # noqa: E731
     return (1 - var(returns - values) / var(returns)).item() if var(returns) > 0 else float("nan")
@@ -288,8 +285,7 @@ def compute_policy_loss(logprobs, old_logprobs, advantages, clip_eps: float):
 def compute_value_loss(predicted, old_values, returns, value_clip_eps: float):
     """Per-token clipped value loss ½ max((V - R)², (V_clip - R)²), all (N,); also where the clipped
     term won. V_clip = V_old + clip(V - V_old, -ε_v, ε_v): like the policy's ratio clip, a bound
-    that keeps one rollout from moving the critic far (baselines' ppo2; OpenRLHF's ValueLoss).
-    """
+    that keeps one rollout from moving the critic far (baselines' ppo2; OpenRLHF's ValueLoss)."""
     clipped_values = old_values + (predicted - old_values).clamp(-value_clip_eps, value_clip_eps)
     unclipped_loss, clipped_loss = (predicted - returns) ** 2, (clipped_values - returns) ** 2
     return 0.5 * torch.max(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
@@ -302,19 +298,33 @@ def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
     return [[1.0 / total] * length for length in response_lengths]
 
 
+def importance_weights(old_logprobs, engine_logprobs, args: Args) -> torch.Tensor:
+    """Each token's weight for the sampler's mismatch (N,): vLLM sampled the tokens, not π_θold.
+    With r_t = π_θold / π_vllm, TIS (Yao et al. 2025) weights by min(r_t, C); IcePop (Ring-1T,
+    arXiv 2510.18855) by r_t inside [1/C, C] and 0 outside it (a mask on both sides, not a clip)."""
+    ratio = torch.exp(old_logprobs - engine_logprobs)
+    if args.is_correction == "icepop":
+        return torch.where((ratio >= 1 / args.tis_cap) & (ratio <= args.tis_cap), ratio, 0.0)
+    return ratio.clamp(max=args.tis_cap)
+
+
 def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The policy's loss on one micro-batch's response tokens, and per-token stats (train/<name>):
-        L = Σ_t w_t · clipped surrogate_t    (w_t: the minibatch's token mean; no TIS: docs/ppo.md)
+        L = Σ_t w_t IS_t · clipped surrogate_t    (w_t: the token mean; IS_t: importance_weights)
     logprobs (N,) are π_θ's; `values` holds the micro-batch's other per-token values, (N,) each:
     old_logprobs (π_θold), advantages (whitened GAE) and loss_weights w_t. approx_kl: the k3
-    estimate of KL(π_θold‖π_θ); expm1 keeps it accurate for the tiny ratios of a first update.
-    """
+    estimate of KL(π_θold‖π_θ); expm1 keeps it accurate for the tiny ratios of a first update."""
     old = values["old_logprobs"]
     pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], args.clip_eps)
     log_ratio = (logprobs - old).detach()
     approx_kl = torch.expm1(log_ratio) - log_ratio
     # approx_kl: how far the updates moved the policy from π_θold (large: the clip does the work)
     stats = {"clipfrac": clipped.sum(), "approx_kl": approx_kl.sum()}
+    if args.is_correction != "none":  # the mean weight; IcePop: the share of tokens it dropped
+        weight = importance_weights(old, values["engine_logprobs"], args)
+        pg_loss, stats["tis_weight"] = weight * pg_loss, weight.sum()
+        if args.is_correction == "icepop":
+            stats["icepop_masked"] = (weight == 0).sum()
     return (pg_loss * values["loss_weights"]).sum(), stats
 
 
@@ -337,8 +347,7 @@ def update_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, num_r
 # ALGO LOGIC: what each step logs (docs/ppo.md lists every key).
 def rollout_metrics(scores, parts: dict, responses: list[dict], values, returns, mask) -> dict:
     """What was sampled and what the critic made of it: scores (and each reward term's), lengths,
-    truncations, and the mean value and return per response token (the critic's guess against the
-    GAE targets)."""
+    truncations, the mean value and return per response token (critic's guess vs GAE targets)."""
     tokens, lengths = mask.sum(), [len(s["token_ids"]) for s in responses]
     truncated = sum(s["finish_reason"] == "length" for s in responses)
     return {
@@ -366,7 +375,6 @@ def train_metrics(policy: list[dict], critic: list[dict], args: Args, values, re
         "train/policy_loss": total["policy_loss"] / updates,
         "train/value_loss": total["value_loss"] / updates,
         **{f"train/{key}": value / tokens for key, value in sums.items()},
-        # 1 - Var(R - V) / Var(R): 1 a perfect critic, 0 a constant one, < 0 worse than a constant
         "train/explained_variance": explained_variance(values, returns, mask),
         "train/grad_norm": policy[0]["grad_norm_sum"] / updates,
         "train/critic_grad_norm": critic[0]["grad_norm_sum"] / updates,
@@ -374,12 +382,9 @@ def train_metrics(policy: list[dict], critic: list[dict], args: Args, values, re
     }
 
 
-def engine_metrics(responses: list[dict], logprobs, mask) -> dict:
+def engine_metrics(engine, logprobs, mask) -> dict:
     """|log π_θold - log π_vllm| per token: what vLLM sampled with against the trainer on the same
     weights (float noise when the weight sync works, far more when the engines serve stale ones)."""
-    engine = torch.zeros_like(logprobs)
-    for i, s in enumerate(responses):
-        engine[i, : len(s["logprobs"])] = torch.tensor(s["logprobs"])
     diff = (logprobs - engine).abs() * mask
     mean, worst = (diff.sum() / mask.sum()).item(), diff.max().item()
     return {"train/logprob_diff_mean": mean, "train/logprob_diff_max": worst}
@@ -412,9 +417,8 @@ def to_padded(results: list[list[dict]], key: str, lengths: list[int]) -> torch.
     micro-batch, (N,) tensors over the response tokens the rank holds (--sp-size: a row's tokens
     are spread over the SP group), with each one's sequence and place in it, `seq_id` and `tok`."""
     out = torch.zeros(len(lengths), max(lengths))
-    for per_rank in results:
-        for mb in per_rank:
-            out[mb["seq_id"].long(), mb["tok"].long()] = mb[key]
+    for mb in [mb for per_rank in results for mb in per_rank]:
+        out[mb["seq_id"].long(), mb["tok"].long()] = mb[key]
     return out
 
 
@@ -530,12 +534,12 @@ def main(args: Args):
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
     timeout = args.reward_timeout  # seconds one reward call may take
 
+    @ema_weights(trainers, lambda: sync_weights(trainers, engines, False), args.eval_ema)
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        ids = [p.ids for p in prompts["eval"]]
+        ids, where = [p.ids for p in prompts["eval"]], f"eval at step {step}"
         outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
-        where = f"eval at step {step}"
         _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, timeout)
         return {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's alone
 
@@ -558,7 +562,7 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.prompts_per_step, args.seed)]
-        ids = [p.ids for p in batch]
+        ids, where = [p.ids for p in batch], f"step {step + 1}"
         outs = generate(engines, ids, n=n, temperature=args.temperature, draw=step, **sampling)
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
@@ -572,7 +576,6 @@ def main(args: Args):
             full = [reward_model_input(tokenizer, q, t) for q, t in zip(asked, texts)]
             scores, parts = torch.tensor(call([reward_model], "rewards", full)[0]), {}  # (B,)
         else:
-            where = f"step {step + 1}"
             _, scores, parts = score_responses(terms, batch, outs, tokenizer, where, timeout)
         t_score = time.time()
 
@@ -591,9 +594,11 @@ def main(args: Args):
         rewards, kl = compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
         advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask)
-        fill_token_values(
-            shares, advantages=advantages, returns=returns, old_logprobs=logprobs, old_values=values
-        )
+        engine = torch.zeros_like(logprobs)  # log π_vllm, as sampled: for --is-correction
+        for i, sample in enumerate(responses):
+            engine[i, : len(sample["logprobs"])] = torch.tensor(sample["logprobs"])
+        fill_token_values(shares, advantages=advantages, returns=returns, old_logprobs=logprobs,
+                          old_values=values, engine_logprobs=engine)  # fmt: skip
         t_fwd = time.time()
 
         results = call_groups(
@@ -618,7 +623,7 @@ def main(args: Args):
         metrics |= {
             **rollout_metrics(scores, parts, responses, values, returns, mask),
             **train_metrics(*results, args, values, returns, mask),
-            **engine_metrics(responses, logprobs, mask),
+            **engine_metrics(engine, logprobs, mask),
             **time_metrics(times, sum(lengths), trained),
             "perf/sync_bytes": sync_bytes,
             "perf/sync_probe_gap": probe_gap,  # trainer vs engines on a probe text
@@ -631,6 +636,7 @@ def main(args: Args):
         rows = [{"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer,
                  "reward": scores[i].item()} for i in range(min(len(texts), 2 * n))]  # fmt: skip
         run.log_samples(done, rows)
+        keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             save(done)
 
@@ -654,8 +660,7 @@ def call_groups(trainers: list, critics: list, fns: tuple, shares: tuple, *args,
         return policy, call(critics, fns[1], *args, per_rank=shares[1])
     refs = [a.run.remote(fns[0], s, *args) for a, s in zip(trainers, shares[0])]
     refs += [a.run.remote(fns[1], s, *args) for a, s in zip(critics, shares[1])]
-    names = [f"Trainer#{i}" for i in range(len(trainers))]
-    names += [f"Critic#{i}" for i in range(len(critics))]
+    names = placement.actor_names(trainers) + placement.actor_names(critics)
     out = wait_all(refs, names, fns[0].__name__)
     return out[: len(trainers)], out[len(trainers) :]
 
@@ -672,23 +677,18 @@ def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args
     shares = ([[] for _ in range(sizes[0])], [[] for _ in range(sizes[1])])
     for mini in [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]:
         weights = loss_weights([lengths[i] for i in mini], args)
-        seqs = [
-            make_sequence(batch[i // n].ids, responses[i]["token_ids"], seq_id=[i] * lengths[i],
-                          tok=range(lengths[i]), loss_weights=w)
-            for i, w in zip(mini, weights)
-        ]  # fmt: skip
-        for ranks, share in zip(sizes, shares):
-            micros = data.split_for_ranks(
-                seqs, ranks, args.max_tokens_per_micro_batch, args.sp_size
-            )
+        seqs = [make_sequence(batch[i // n].ids, responses[i]["token_ids"], seq_id=[i] * lengths[i],
+                              tok=range(lengths[i]), loss_weights=w)
+                for i, w in zip(mini, weights)]  # fmt: skip
+        for size, share in zip(sizes, shares):
+            micros = data.split_for_ranks(seqs, size, args.max_tokens_per_micro_batch, args.sp_size)
             for rank, micro in enumerate(micros):
                 share[rank].append(micro)
     return shares
 
 
 def fill_token_values(shares: tuple, **values: torch.Tensor) -> None:
-    """Write per-token values (B, T) into every micro-batch at its response tokens, found by
-    (seq_id, tok)."""
+    """Write per-token values (B, T) into every micro-batch at its response tokens (seq_id, tok)."""
     unique = {id(mb): mb for group in shares for rank in group for mini in rank for mb in mini}
     for mb in unique.values():  # an SP group's ranks share their micro-batches
         m = mb["loss_mask"][0].bool()
@@ -810,8 +810,7 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
     critics = placement.spawn_trainers(Critic, pg, layout.critics, *critic)
     reward_model = None
     if rm:
-        options = layout.reward_model.options(pg)
-        reward_model = models.RewardModel.options(**options).remote(
+        reward_model = models.RewardModel.options(**layout.reward_model.options(pg)).remote(
             paths["reward_model"], offload, args.dtype
         )
         placement.wait_started([reward_model])
@@ -835,9 +834,10 @@ def trainer_shells(args: Args, paths: dict, offload: bool) -> tuple:
     both = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, colocate=args.colocate,
                 gradient_checkpointing=args.gradient_checkpointing, weight_decay=args.weight_decay,
                 max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
-                num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
+                num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
+                optimizer=args.optimizer)  # fmt: skip
     policy = dict(both, lora=lora.spec(args), frozen=["ref_logprobs"],
-                  learning_rate=args.learning_rate)  # fmt: skip
+                  learning_rate=args.learning_rate, ema=args.ema_beta)  # fmt: skip
     critic = dict(both, lora=lora.spec(args, whole=("score",)), frozen=[], offload=offload,
                   learning_rate=args.critic_learning_rate)  # fmt: skip  # its own optimizer
     return (

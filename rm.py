@@ -43,10 +43,11 @@ from common.precision import choose_dtype
 from common.ring_attn import sequence_sums, shard_micro_batch
 from common.tracking import Run
 from common.trainer import Trainer, load_model
+from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(LoRA, Resources, Experiment):  # common/flags.py's flags come first
+class Args(Weights, LoRA, Resources, Experiment):  # common/flags.py's flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model (its LM head is replaced by a
@@ -79,13 +80,13 @@ class Args(LoRA, Resources, Experiment):  # common/flags.py's flags come first
     """token budget of one packed micro-batch on one rank (default: 1024, or one pair if more;
     raise it on GPU); gradients accumulate over micro-batches"""
     learning_rate: Annotated[float, "> 0"] = 5e-5
-    """peak learning rate of AdamW"""
+    """peak learning rate (both halves of Muon too)"""
     warmup_steps: Annotated[int, ">= 0"] = 4
     """linear warm-up steps, then cosine decay"""
     min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
     """the cosine decays to learning_rate * min_lr_ratio"""
     weight_decay: Annotated[float, ">= 0"] = 0.0
-    """AdamW weight decay"""
+    """decoupled weight decay (AdamW's, Muon's)"""
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """clip the global gradient norm to this"""
 
@@ -244,6 +245,7 @@ def main(args: Args):
     # a batch: dealt to the DP groups (balanced by tokens), packed into micro-batches, SP-split
     split = (args.num_trainers, args.max_tokens_per_micro_batch, args.sp_size)
 
+    @ema_weights(trainers, None, args.eval_ema)  # --eval-ema: θ_ema's
     def evaluate() -> dict:
         if "eval" not in pairs:
             return {}
@@ -277,6 +279,7 @@ def main(args: Args):
             metrics.update(evaluate())
         update = [k for k in metrics if k.startswith("train/") and k != "train/lr"]
         run.log(done, metrics, (*update, *console))
+        keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)
@@ -372,6 +375,7 @@ def trainer_shell(args: Args, *paths: str) -> tuple:
                     lora=lora.spec(args, whole=("score",)),  # the score head trained whole
                     gradient_checkpointing=args.gradient_checkpointing,
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                    optimizer=args.optimizer, ema=args.ema_beta,
                     warmup_steps=args.warmup_steps, num_steps=args.num_steps,
                     min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm)  # fmt: skip
     return load_reward_model, paths, settings, args

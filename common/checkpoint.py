@@ -25,8 +25,8 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
     # An eval (forward, no backward) leaves FSDP2's root unsharded, its params not the optimizer's
     model.reshard()  # as get_model_state_dict would, but LoRA's step_N skips that
     adapters = lora.adapter_tensors(model) if lora.on(model) else None
-    # LoRA: the adapters at every save, the merged model in the final one (staged as .final.partial)
-    whole = adapters is None or os.path.basename(path) in ("final", ".final.partial")
+    # LoRA: the adapters at every save, the merged model in final/ and best/ (also staged)
+    whole = adapters is None or os.path.basename(path).strip(".").split(".")[0] in ("final", "best")
     state = sd.get_model_state_dict(model, options=opts) if whole else None
     optim = sd.get_optimizer_state_dict(model, optimizer, options=opts) if with_optimizer else None
     if dist.get_rank() == 0:
@@ -44,7 +44,7 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
 
 
 @contextlib.contextmanager
-def staged(path: str, step: int):
+def staged(path: str, step: int, **info):
     """Write a checkpoint (every part) into a hidden folder beside `path`, published by one rename:
     a kill leaves `path` whole or absent; a failure removes it once no trainer writes in it."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
@@ -52,7 +52,7 @@ def staged(path: str, step: int):
     os.makedirs(tmp)
     try:
         yield tmp
-        write_json(os.path.join(tmp, "checkpoint.json"), {"step": step})  # last: the rest is there
+        write_json(os.path.join(tmp, "checkpoint.json"), {"step": step, **info})  # last: all there
         for root, _, files in os.walk(tmp):  # on disk before the rename makes the folder visible
             for name in files:
                 with open(os.path.join(root, name), "rb") as f:
@@ -78,6 +78,7 @@ def staged(path: str, step: int):
 def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str, int] | None:
     """Before anything starts: the wandb login and a new run's --output-dir (None), or --resume
     checked against the script, --model, LoRA flags and --num-steps: (run_dir, checkpoint, step)."""
+    getattr(args, "check_weights_flags", lambda: None)()  # common/flags.py's Weights
     check_tracking(args.track)
     if not args.resume:
         return check_output_dir(args.output_dir)
@@ -161,7 +162,7 @@ def find_checkpoint(path: str) -> tuple[str, str, int]:
     from its newest checkpoint: one without optimizer state is never rewound to an older one."""
     path = os.path.abspath(path.rstrip("/"))
     if os.path.isdir(folder := os.path.join(path, "checkpoints")):
-        names = [name for name in os.listdir(folder) if not name.startswith(".")]  # not partial
+        names = [n for n in os.listdir(folder) if n[0] != "." and n != "best"]  # not partial
         found = {n: s for n in names if (s := checkpoint_step(os.path.join(folder, n))) is not None}
         if not found:
             raise InputError(f"--resume: {path} has no checkpoint to resume from")

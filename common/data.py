@@ -189,9 +189,8 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
 def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]]:
     """First-fit, longest first: dicts of per-token lists into padding-free (1, T) rows of at most
     `max_tokens`. "position_ids" restart at 0 per sequence: how SDPA/flash-attn keep them apart."""
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"]))
     rows, room = [], []  # the sequences of each row, and the tokens left in it
-    for i in order:
+    for i in sorted(range(len(sequences)), key=lambda j: -len(sequences[j]["input_ids"])):
         if (n := len(sequences[i]["input_ids"])) > max_tokens:
             budget = f"the token budget of {max_tokens}"
             raise ValueError(f"a sequence of {n} tokens does not fit {budget}")
@@ -217,8 +216,7 @@ def within(items: list, lengths: list[int], limit: int, drop_long: bool, source:
            flag: str = "--max-length") -> list:  # fmt: skip
     """The items of at most `limit` tokens. Longer ones stop the run, naming the first, or with
     drop_long (--drop-long) are left out; none left stops it too."""
-    too_long = [i + 1 for i, n in enumerate(lengths) if n > limit]
-    if too_long and not drop_long:
+    if (too_long := [i + 1 for i, n in enumerate(lengths) if n > limit]) and not drop_long:
         raise InputError(f"{source}: {len(too_long)} of {len(items)} {what} are longer than {flag} "
                          f"{limit} tokens (first: row {too_long[0]}); raise {flag} or pass "
                          "--drop-long")  # fmt: skip

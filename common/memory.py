@@ -122,8 +122,7 @@ def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
                 ("reward-model GPU", "scoring", rm)]  # fmt: skip
         return [(gpu, phase, {**ctx, **parts}) for gpu, phase, parts in rows if parts]
     # Colocated (hybrid engine): every model on GPU 0, taking turns; phases differ in what is held.
-    processes = 1 + bool(job.engines) + (job.critic is not None) + bool(rm)
-    ctx = {"CUDA contexts": processes * CONTEXT}
+    ctx = {"CUDA contexts": (1 + bool(job.engines) + (job.critic is not None) + bool(rm)) * CONTEXT}
     parked = {} if job.offload else {**critic_idle, **rm}  # offloaded: in host RAM until needed
     rows = [("GPU 0", "generating", {**ctx, **engine, **idle, **ref, **parked}),
             ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked})]  # fmt: skip

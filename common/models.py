@@ -127,8 +127,7 @@ class RewardModel:
         compute = compute_dtype(self.device, dtype)  # the run's (--dtype), fp32 on CPU
         model = AutoScoreModel.from_pretrained(path, num_labels=1, dtype=compute)
         # offload: the hybrid engine is short of memory, so the model is on the GPU only to score
-        self.model, self.offload = model.eval(), offload
-        self.model.to("cpu" if offload else self.device)
+        self.model, self.offload = model.eval().to("cpu" if offload else self.device), offload
 
     @torch.no_grad()
     def rewards(self, sequences: list[list[int]], batch_size: int = 16) -> list[float]:

@@ -86,10 +86,9 @@ class LossScale:
 
     @torch.no_grad()
     def unscale(self, params) -> None:  # divide the gradients by S, before they are clipped
-        if self.on:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(self.value)
+        for p in params if self.on else ():
+            if p.grad is not None:
+                p.grad.div_(self.value)
 
     def skip(self, grad_norm: torch.Tensor, step: int) -> bool:
         if not self.on:

@@ -72,21 +72,18 @@ def time_limit(timeout: float):
 def call_reward(fn, pairs: list[tuple[str, str]], where: str, timeout: float, labels=None):
     """fn(response, answer) per pair -> floats; a raise, a hang over `timeout` s or a non-finite
     value ends the run: a line naming the pair."""
-    name, out = getattr(fn, "__name__", repr(fn)), []
+    name, out = f"reward function {getattr(fn, '__name__', repr(fn))}", []
     for row, (response, answer) in enumerate(pairs, 1):
         at = f"{where}, {labels[row - 1]}" if labels else f"{where}, row {row}"
         try:
             with time_limit(timeout):
                 value = fn(response, answer)
         except Late:
-            why = f"did not return within {timeout:g} s ({at})"
-            raise RunError(f"reward function {name} {why}") from None
+            raise RunError(f"{name} did not return within {timeout:g} s ({at})") from None
         except Exception as e:
-            why = f"failed ({at}): {type(e).__name__}: {e}"
-            raise RunError(f"reward function {name} {why}") from None
+            raise RunError(f"{name} failed ({at}): {type(e).__name__}: {e}") from None
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            why = f"returned {value!r}, not a finite number ({at})"
-            raise RunError(f"reward function {name} {why}")
+            raise RunError(f"{name} returned {value!r}, not a finite number ({at})")
         out.append(float(value))
     return out
 

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint.state_dict as sd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import checkpoint, lora, placement, weight_sync
+from common import checkpoint, lora, placement, weight_sync, weights
 from common.memory import to_device
 from common.precision import LossScale, compute_dtype
 from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch, sp_groups
@@ -96,9 +96,9 @@ class Trainer:
         """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader for
         paths[0] (the model, or the checkpoint to resume); paths[1]: the start model (π_ref, LoRA's
         base). `settings`, by name: seed, sp_size, dtype, gradient_checkpointing, lora (lora.spec),
-        weight_decay, max_grad_norm, the schedule (lr_at: learning_rate, warmup_steps, num_steps,
-        min_lr_ratio), frozen ([] or ["ref_logprobs"]), colocate (an engine shares this GPU),
-        offload (the model waits in host RAM between calls). `args`: the script's flags."""
+        optimizer, ema (β_ema), weight_decay, max_grad_norm, the schedule (lr_at: learning_rate,
+        warmup_steps, num_steps, min_lr_ratio), frozen ([] or ["ref_logprobs"]), colocate (an engine
+        shares this GPU), offload (the model waits in host RAM between calls). `args`: the flags."""
         s = self.settings = settings
         self.args, self.rank, self.world_size = args, rank, world
         self.device = placement.init_distributed(rank, world, addr, port)
@@ -110,9 +110,10 @@ class Trainer:
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         # π_ref: a frozen copy of the start model (also on --resume), named by the values it gives
         self.frozen = {name: self.frozen_model(load, paths[1], adapters) for name in s["frozen"]}
-        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
-        lr, decay = s["learning_rate"], s["weight_decay"]
-        self.optimizer = torch.optim.AdamW(params, lr, (0.9, 0.95), weight_decay=decay)
+        lr, decay = s["learning_rate"], s["weight_decay"]  # LoRA: only the adapters are trained
+        self.optimizer = weights.make_optimizer(self.model, s.get("optimizer", "adamw"), lr, decay)
+        self.ema = s.get("ema") and weights.ema_start(  # θ_ema: this rank's shards of it
+            self.model, load, paths[0], self.device, s["dtype"])  # fmt: skip
         self.loss_scale = LossScale(compute_dtype(self.device, s["dtype"]))  # float16 only
         self.on_gpu(False)
 
@@ -159,6 +160,8 @@ class Trainer:
                                      f"step {step + 1}")  # fmt: skip
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema:
+            weights.ema_update(self.ema, self.model, self.settings["ema"])
         return grad_norm.item()
 
     def on_gpu(self, needed: bool):
@@ -179,6 +182,10 @@ class Trainer:
 
     def save(self, path: str, step: int, with_optimizer: bool):  # a collective: rank 0 writes
         checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
+        if self.ema:  # θ_ema beside it: an HF folder of its own, ema/
+            weights.ema_swap(self)
+            checkpoint.save(self.model, None, self.tokenizer, f"{path}/ema", step, False)
+            weights.ema_swap(self)
 
     def load_optimizer(self, path: str):
         """Rank 0 reads the checkpoint's optimizer state, each rank keeps its shard."""

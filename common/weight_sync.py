@@ -93,8 +93,7 @@ class AdapterTransfer:
 class WeightSync:
     """A trainer rank's end of the weight sync (`transfer`: vLLM's trainer-side engine)."""
 
-    def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype: torch.dtype,
-                 nbytes: int):  # fmt: skip
+    def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype, nbytes: int):
         self.transfer, self.colocated, self.nbytes = transfer, colocated, nbytes
         self.model, self.probe, self.tolerance = model, probe, PROBE_TOLERANCE[dtype]
         if lora.on(model):  # the engines loaded only the base model: the first push, checked

@@ -610,6 +610,34 @@ def test_flags_that_do_not_parse_get_one_line(name):
         module.validate_args(args)
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_weights_and_best_checkpoint_flags(run, name):
+    """--optimizer, --ema-beta, --eval-ema, --best-metric, --best-mode, --is-correction: out of
+    their range or not together, one line before anything starts."""
+    cases = [
+        (["--best-metric", "accuracy"], "--best-metric must be eval/<name> (got 'accuracy')"),
+        (["--best-metric", "eval/"], "--best-metric must be eval/<name> (got 'eval/')"),
+        (["--ema-beta", "1"], "--ema-beta must be >= 0, < 1 (got 1.0)"),
+        (["--ema-beta", "0.9", "--lora-rank", "4"], "--ema-beta averages whole matrices"),
+        (["--optimizer", "muon", "--lora-rank", "4"], "--optimizer muon orthogonalises whole"),
+    ]
+    cases.append(
+        (["--eval-ema"], "--eval-ema: grpo_async.py's engines sample rollouts during evaluation")
+        if name == "grpo_async"
+        else (["--eval-ema"], "--eval-ema needs --ema-beta (the EMA is off)")
+    )
+    for flags, expected in cases:
+        assert run(name, *flags).startswith(f"error: {expected}")
+    module = importlib.import_module(name)
+    choices = [("--optimizer", "sgd", "adamw, muon"), ("--best-mode", "avg", "max, min")]
+    if name in ("grpo", "dapo", "grpo_async", "grpo_tools"):
+        choices.append(("--is-correction", "clip", "tis, icepop"))
+    for flag, bad, allowed in choices:
+        with pytest.raises(SystemExit) as e:
+            parse_args(module.Args, [flag, bad])
+        assert e.value.code.startswith(f"error: {flag} takes one of {allowed} (got '{bad}')")
+
+
 def test_one_writer_per_run_dir(tmp_path, tiny_model):
     """A second run that would write in a run dir a live run holds is refused, naming it; when the
     holder dies (SIGKILL: no cleanup), its lock goes with it."""

@@ -1,6 +1,7 @@
 """grpo.py: advantages, loss and its aggregation against hand-computed values; weight sync after a
 real training step; end-to-end runs and early errors."""
 
+import importlib
 import math
 import os
 
@@ -285,6 +286,45 @@ def test_grpo_colocated_on_gpu(trainers, tiny_model, tokenizer, tmp_path):
     # steps 2 and 3 sampled from the weights pushed after steps 1 and 2, not from stale ones
     assert all(r["train/logprob_diff_mean"] < TOLERANCE["logprob_mean"] for r in rows[2:])
     assert rows[-1]["time/sync"] < 60
+
+
+@pytest.mark.parametrize("script", ["grpo", "dapo", "grpo_async", "grpo_tools", "ppo"])
+def test_icepop_masks_outside_the_band_and_is_exact_at_ratio_one(script):
+    """IcePop keeps r_t = π_θold / π_vllm inside [1/C, C] (the boundaries included) as the weight
+    and gives 0 outside it on both sides; TIS caps the top only. At r_t = 1 the weight is exactly 1:
+    the loss is the unweighted surrogate's to the bit."""
+    module = importlib.import_module(script)
+    icepop = module.Args(is_correction="icepop", tis_cap=4.0)
+    tis = module.Args(is_correction="tis", tis_cap=4.0)
+    ratio = torch.tensor([0.25 * (1 - 1e-4), 0.25, 1.0, 3.0, 4.0, 4.0 * (1 + 1e-4), 1e-30, 1e30])
+    old = torch.log(ratio.double()).float()  # π_vllm = 1: the ratio is π_θold
+    engine = torch.zeros(len(ratio))
+    weights = module.importance_weights(old, engine, icepop)
+    r = torch.exp(old)  # the ratio as float32 gives it, compared to the band as it is
+    assert weights.tolist() == [0.0, r[1].item(), 1.0, r[3].item(), r[4].item(), 0.0, 0.0, 0.0]
+    assert r[1] == 0.25 and r[4] == 4.0  # the boundaries are in the band, exactly
+    capped = module.importance_weights(old, engine, tis).tolist()
+    assert capped == [r[0].item(), 0.25, 1.0, r[3].item(), 4.0, 4.0, r[6].item(), 4.0]
+    # the loss: the masked tokens carry nothing, the rest their weight; the share masked is logged
+    logprobs = torch.log(torch.tensor([1.1, 0.9, 1.0, 1.05]))  # ρ inside the clip
+    values = {
+        "old_logprobs": torch.zeros(4),
+        "engine_logprobs": torch.log(torch.tensor([1.0, 5.0, 0.2, 2.0])),  # r: 1, 0.2, 5, 0.5
+        "advantages": torch.tensor([1.0, -1.0, 1.0, 2.0]),
+        "loss_weights": torch.tensor([0.1, 0.2, 0.3, 0.4]),
+    }
+    loss, stats = module.compute_loss(logprobs, values, icepop)
+    assert loss.item() == pytest.approx(0.1 * -1.1 + 0.4 * 0.5 * -2 * 1.05, rel=1e-6)
+    assert stats["icepop_masked"].item() == 2 and stats["tis_weight"].item() == pytest.approx(1.5)
+    assert "icepop_masked" not in module.compute_loss(logprobs, values, tis)[1]
+    # r = 1 everywhere (fp32 CPU, the trainer's weights in the engine): exactly no correction
+    same = {**values, "engine_logprobs": values["old_logprobs"].clone()}
+    loss, stats = module.compute_loss(logprobs, same, icepop)
+    plain = -(torch.exp(logprobs) * values["advantages"]) * values["loss_weights"]
+    assert loss.item() == plain.sum().item() and stats["icepop_masked"].item() == 0
+    if script == "ppo":  # ppo.py's default: no correction, whatever the ratio
+        loss, stats = module.compute_loss(logprobs, values, module.Args())
+        assert loss.item() == plain.sum().item() and "tis_weight" not in stats
 
 
 def test_compute_loss_by_hand():
