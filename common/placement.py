@@ -69,6 +69,7 @@ def init_ray(num_bundles: int = 0) -> None:
         print(f"note: {len(alive)} Ray processes not of this run are alive here ({named}): another "
               "run's or program's; `kill` them if you need their memory", flush=True)  # fmt: skip
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")  # `ray job`'s env_vars: `env` wins
     # Actors import `common` and the scripts' modules: the repo is importable wherever they start.
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

@@ -90,7 +90,11 @@ def test_a_job_joins_the_cluster_and_resumes_after_ray_job_stop(head, tiny_model
              "--max-tokens-per-micro-batch", "512", "--eval-dataset", "",
              "--accuracy-dataset", ""]  # fmt: skip
     # from elsewhere than the repo: `python sft.py` finds sft.py (and data/) in the shipped copy
-    runtime_env = json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    # with a name the scripts also set for their actors: Ray refused the pair, before the scripts
+    # let their own values win (RAY_OVERRIDE_JOB_RUNTIME_ENV)
+    runtime_env = json.dumps(
+        {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "true"}}
+    )
     submit = ["submit", "--address", address, "--working-dir", REPO,
               "--runtime-env-json", runtime_env]  # fmt: skip
     started = ray_job(env, tmp_path, *submit, "--submission-id", "first", "--no-wait", "--",
