@@ -51,7 +51,7 @@ from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(Weights, LoRA, Resources, Experiment):  # common/flags.py's flags come first
+class Args(Weights, LoRA, Resources, Experiment):  # common/'s flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model (also π_ref, the frozen start)"""

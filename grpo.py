@@ -50,7 +50,7 @@ from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/flags.py's flags come first
+class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/'s flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""

@@ -78,7 +78,7 @@ def staged(path: str, step: int, **info):
 def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str, int] | None:
     """Before anything starts: the wandb login and a new run's --output-dir (None), or --resume
     checked against the script, --model, LoRA flags and --num-steps: (run_dir, checkpoint, step)."""
-    getattr(args, "check_weights_flags", lambda: None)()  # common/flags.py's Weights
+    getattr(args, "check_weights_flags", lambda: None)()  # common/weights.py
     check_tracking(args.track)
     if not args.resume:
         return check_output_dir(args.output_dir)
