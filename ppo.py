@@ -813,11 +813,11 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
         reward_model = models.RewardModel.options(**layout.reward_model.options(pg)).remote(
             paths["reward_model"], offload, args.dtype
         )
-        placement.wait_started([reward_model])
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
         pg, layout.engines, model_path=paths["reference" if args.lora_rank else "policy"],
-        seed=args.seed, backend=backend, lora=lora.engine_lora(args),
+        seed=args.seed, backend=backend, lora=lora.engine_lora(args),  # the others load meanwhile:
+        loading=[*trainers, *critics, *([reward_model] if rm else [])],
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
         use_gpu=use_gpu, sleep_mode=args.colocate, dtype=args.dtype,
         memory=memory.engine_memory(args, use_gpu, args.colocate),

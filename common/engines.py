@@ -200,8 +200,11 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
 
 def spawn_engines(pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int,
                   max_model_len: int, memory: float, use_gpu: bool, sleep_mode: bool = False,
-                  lora: dict | None = None, engine_cls=Engine, **kwargs) -> list:  # fmt: skip
-    """One engine per slot, loaded before return: a failed start is named, not a sync timeout."""
+                  lora=None, engine_cls=Engine, loading=(), **kwargs) -> list:  # fmt: skip
+    """One engine per slot, up on return with the actors `loading` (the trainers load meanwhile, or
+    first if they share a GPU: vLLM sizes its memory by what is free): a failed start is named."""
+    if sleep_mode:
+        wait_started(list(loading))
     # The driver's VLLM_* settings go to all engines, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (old runner)
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
@@ -209,5 +212,5 @@ def spawn_engines(pg, slots: list[Slot], *, model_path: str, seed: int, backend:
     kw = kwargs | ({"lora": lora} if lora else {})
     engines = [engine_cls.options(**s.options(pg, env)).remote(model_path, seed + i, *args, **kw)
                for i, s in enumerate(slots)]  # fmt: skip
-    wait_started(engines)
+    wait_started([*loading, *engines])
     return engines

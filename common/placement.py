@@ -196,22 +196,23 @@ def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:
 
 
 def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
-    """One `actor_cls` per slot (rank r in slots[r]), all up, as actor_cls(*args, rank, world_size,
-    master_addr (rank 0's node), master_port); its __init__ calls `init_distributed` with them."""
+    """One `actor_cls` per slot (rank r in slots[r]) as actor_cls(*args, rank, world_size,
+    master_addr (rank 0's node), master_port), still loading on return: wait_started, or hand them
+    to spawn_engines (they load meanwhile). Its __init__ calls `init_distributed` with them."""
     addr, port = rendezvous_address(pg, slots[0].bundle)
-    actors = [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port)
-              for r, s in enumerate(slots)]  # fmt: skip
-    wait_started(actors)
-    return actors
+    return [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port)
+            for r, s in enumerate(slots)]  # fmt: skip
 
 
 def start_trainers(actor_cls, use_gpu: bool, num_trainers: int, *args) -> list:
     """Start Ray and place the trainer ranks alone (one GPU each, or a share of the CPU cores), as
-    spawn_trainers: sft.py, rm.py, dpo.py. `args`: the shell's (common/trainer.py)."""
+    spawn_trainers, and wait for them: sft.py, rm.py, dpo.py. `args`: the shell's (trainer.py)."""
     layout = Layout(use_gpu, num_trainers)
     init_ray(len(layout.bundles))
     pg = make_placement_group(layout.bundles, use_gpu)
-    return spawn_trainers(actor_cls, pg, layout.trainers, *args)
+    trainers = spawn_trainers(actor_cls, pg, layout.trainers, *args)
+    wait_started(trainers)
+    return trainers
 
 
 def wait_started(actors: list) -> None:
@@ -279,6 +280,6 @@ def _get(ref, name: str, what: str):
         raise RunError(f"{name} {how} {what}: {type(cause).__name__}: {line}") from None
 
 
-def actor_names(actors: list) -> list[str]:  # e.g. "Trainer#0", "AsyncEngine#1"
-    return [f"{a._ray_actor_creation_function_descriptor.class_name}#{i}"
-            for i, a in enumerate(actors)]  # fmt: skip
+def actor_names(actors: list) -> list[str]:  # "Trainer#0", "Engine#1": each class counts apart
+    classes = [a._ray_actor_creation_function_descriptor.class_name for a in actors]
+    return [f"{name}#{classes[:i].count(name)}" for i, name in enumerate(classes)]

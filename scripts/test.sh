@@ -5,27 +5,46 @@
 #   2. the tests that start vLLM engines (on the GPU, eager: POSTTRAIN_EAGER=1 skips minutes of
 #      CUDA-graph capture per start; vLLM's CUDA build serves no CPU engine, so those that need the
 #      CPU build are skipped, with the reason) and the GPU tier.
-# Without CUDA the two tiers are one pytest run (CUDA is hidden anyway; one start-up instead of two).
-# Extra arguments go to pytest (e.g. -k grpo). The slowest tests are listed at the end.
+# Without CUDA the two tiers are one (CUDA is hidden anyway). A CPU tier runs in two parts: the
+# tests marked `serial` (timings, deadlines, signals, hangs: they measure the machine, so they get it
+# alone) one after another, the rest on two pytest-xdist workers: a run spends much of its time
+# waiting (Ray, imports, a driver that waits for its actors), so two at once fill the second core
+# (docs/benchmarks.md has the figures); tests that read one shared run are sent to one worker
+# (conftest.py). TEST_WORKERS=1 runs everything in one process. Extra arguments go to pytest (e.g.
+# -k grpo). Each part lists its 30 slowest tests at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
+workers=${TEST_WORKERS:-2}
+"$py" -c "import xdist" 2>/dev/null || workers=1  # an environment without pytest-xdist: one process
 status=0
-tier() {  # name, marker expression, then env assignments for pytest
-  local name=$1 expr=$2 rc
-  shift 2
+part() {  # name, marker expression, xdist workers, then env assignments for pytest
+  local name=$1 expr=$2 n=$3 rc
+  shift 3
   echo "== tests: $name"
-  local select=()
+  local select=() spread=()
   [ -n "$expr" ] && select=(-m "$expr")
-  env "$@" "$py" -m pytest tests "${select[@]}" --durations=25 "${args[@]}"
+  [ "$n" -gt 1 ] && spread=(-n "$n" --dist loadgroup)
+  env "$@" "$py" -m pytest tests "${select[@]}" "${spread[@]}" --durations=30 "${args[@]}"
   rc=$?
-  [ $rc -eq 5 ] && { echo "(no tests selected in this tier)"; rc=0; }
+  [ $rc -eq 5 ] && { echo "(no tests selected here)"; rc=0; }
   [ $rc -eq 0 ] || status=$rc
+}
+tier() {  # name, marker expression, then env assignments: its serial part, then the rest
+  local name=$1 expr=${2:-}
+  shift 2
+  local all="${expr:+($expr) and }"
+  if [ "$workers" -gt 1 ]; then
+    part "$name, serial" "${all}serial" 1 "$@"
+    part "$name, the rest on $workers workers" "${all}not serial" "$workers" "$@"
+  else
+    part "$name" "$expr" 1 "$@"
+  fi
 }
 args=("$@")
 if "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   tier "without engines, CUDA hidden" "not (engine or cpu_engine or gpu)" CUDA_VISIBLE_DEVICES=
-  tier "vLLM engines and the GPU tier" "engine or cpu_engine or gpu" POSTTRAIN_EAGER=1
+  part "vLLM engines and the GPU tier" "engine or cpu_engine or gpu" 1 POSTTRAIN_EAGER=1
 else
   tier "all (no CUDA here: the GPU tier is skipped)" "" CUDA_VISIBLE_DEVICES=
 fi

@@ -55,8 +55,17 @@ TOLERANCE = {
 }[DEVICE]
 
 
+# Fixtures that run a script once for several tests: under pytest-xdist (scripts/test.sh) the tests
+# that read one go to the same worker, so it runs once (grpo_run is the session's; the others are
+# their module's).
+SHARED_RUNS = ("grpo_run", "ppo_run", "ema_run", "one_rank", "logical_gpus")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if shared := [name for name in SHARED_RUNS if name in item.fixturenames]:
+            where = "" if shared[0] == "grpo_run" else f"{item.module.__name__}:"
+            item.add_marker(pytest.mark.xdist_group(where + shared[0]))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         marker = item.get_closest_marker("cpu_engine")
@@ -207,6 +216,28 @@ def parity_reward(tmp_path) -> str:
     path = tmp_path / "parity.py"
     path.write_text("def reward(response, answer):\n    return float(len(response) % 2)\n")
     return f"{path}:reward"
+
+
+def grpo_args(model, out, *extra):
+    return ("--model", model, "--output-dir", str(out), "--num-generations", "4", "--prompts-per-step", "4",
+            "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def grpo_run(tiny_model, tmp_path_factory):
+    """One grpo.py run that several tests read (test_grpo.py, test_weights.py, test_lora.py): 2
+    trainer ranks, 2 steps, a reward with signal (the parity of the response's length), a KL term,
+    IcePop, every flag of the weights' family (Muon, θ_ema evaluated on the engines every step, the
+    best checkpoint) and a checkpoint every step. Returns (flags, run dir, stdout)."""
+    tmp = tmp_path_factory.mktemp("grpo")
+    extra = ("--num-steps", "2", "--num-trainers", "2", "--save-every", "1", "--reward-fn",
+             parity_reward(tmp), "--kl-coef", "0.1", "--learning-rate", "2e-3", "--eval-every", "1",
+             "--is-correction", "icepop", "--optimizer", "muon", "--ema-beta", "0.5", "--eval-ema",
+             "--best-metric", "eval/accuracy")  # fmt: skip
+    flags = grpo_args(tiny_model, tmp / "runs", *extra)
+    result = run_script("grpo.py", *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return flags, only_run_dir(tmp / "runs"), result.stdout
 
 
 def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 1):

@@ -9,7 +9,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import needs_keys
+
+# A hang stopped after its time limit: alone on the machine.
+pytestmark = pytest.mark.serial
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABS = os.path.join(REPO, "labs")

@@ -4,6 +4,7 @@ real training step; end-to-end runs and early errors."""
 import importlib
 import math
 import os
+import shutil
 
 import pytest
 import ray
@@ -11,6 +12,7 @@ import torch
 from conftest import (
     TOLERANCE,
     assert_resume_is_exact,
+    grpo_args,
     logprob_gap,
     only_run_dir,
     parity_reward,
@@ -174,6 +176,7 @@ def test_engine_matches_trainer_after_train_step_and_sync(
         max_model_len=64,
         memory=0.25,
         use_gpu=False,
+        loading=trainers,
     )
     addr, port = rendezvous_address(pg, 0)
     call(trainers, "init_weight_sync", engines, "gloo", addr, port, 1, False)
@@ -210,36 +213,18 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     ray.util.remove_placement_group(pg)
 
 
-def grpo_args(model, out, *extra):
-    return ("--model", model, "--output-dir", str(out), "--num-generations", "4", "--prompts-per-step", "4",
-            "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
-
-
 @pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
-def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(
-    tiny_model, tmp_path
-):
-    extra = (
-        "--num-steps",
-        "2",
-        "--num-trainers",
-        "2",
-        "--save-every",
-        "1",
-        "--reward-fn",
-        parity_reward(tmp_path),
-        "--kl-coef",  # the resumed run's π_ref is the start model, not the checkpoint it loads
-        "0.1",
-    )
-    flags = grpo_args(tiny_model, tmp_path / "runs", *extra)
-    result = run_script("grpo.py", *flags)
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = only_run_dir(tmp_path / "runs")
+def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(grpo_run, tmp_path):
+    """conftest's grpo_run (2 ranks, IcePop, Muon, θ_ema evaluated every step, a KL term) logs every
+    step, shows the update's per-token stats on the console, samples step 2 from the weights pushed
+    after step 1, writes a final model, and a resume from step_1 repeats step 2 exactly."""
+    flags, run_dir, stdout = grpo_run
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["train/kl"] > 0
     # the console shows every per-token stat of the update (main lists none of them) but plumbing's
-    line = next(line for line in result.stdout.splitlines() if line.startswith("step 2 |"))
-    for key in ("train/loss", "train/clipfrac", "train/tis_weight", "train/entropy", "train/kl"):
+    line = next(line for line in stdout.splitlines() if line.startswith("step 2 |"))
+    for key in ("train/loss", "train/clipfrac", "train/tis_weight", "train/icepop_masked",
+                "train/entropy", "train/kl"):  # fmt: skip
         assert f"{key} " in line, (key, line)
     assert "train/lr" not in line and "train/grad_norm" not in line, line
     assert (
@@ -248,8 +233,11 @@ def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(
     assert read_jsonl(os.path.join(run_dir, "samples.jsonl"))
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "model.safetensors"))
     # the resumed run's engines load checkpoints/step_1 (written as the final model is) and sample
-    # from it
-    assert_resume_is_exact("grpo.py", flags, run_dir)  # sampling is seeded per step and prompt
+    # from it; it resumes a copy (of the same name), which the other readers of the run never see;
+    # its π_ref is the start model, not the checkpoint it loads (the KL term says so)
+    copy = tmp_path / os.path.basename(run_dir)
+    shutil.copytree(run_dir, copy)
+    assert_resume_is_exact("grpo.py", flags, str(copy))  # sampling is seeded per step and prompt
 
 
 # GPU tier: the recommended one-GPU mode end to end, as the default flags pick it on one GPU and

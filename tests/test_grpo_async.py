@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 from conftest import only_run_dir, read_jsonl, run_script, start_ray_cpu, tagged_diff
+from standins import Busy, StandInEngine
 from test_faults import Run, processes
 from test_weight_sync import SyncTrainer
 
@@ -25,6 +26,9 @@ from common.engines import spawn_engines
 from common.placement import Layout, call, make_placement_group, rendezvous_address, spawn_trainers
 from common.rewards import reward_terms
 from common.weight_sync import EngineClient
+
+# Lags, waits and in-flight updates measured against real and stand-in timings: alone on the machine.
+pytestmark = pytest.mark.serial
 
 
 def trainer_logprobs(trainers, prompt, tokens):
@@ -49,9 +53,9 @@ def test_in_flight_update_inside_one_sequence(tiny_model, tokenizer):
         trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
         common = dict(model_path=tiny_model, seed=0, backend="gloo", tp=1, max_model_len=320, memory=0.25,
                       use_gpu=False, engine_cls=AsyncEngine)  # fmt: skip
-        engines = [
-            spawn_engines(pg, layout.engines[i : i + 1], keep_old_kv=keep, **common)[0]
-            for i, keep in enumerate([False, True])
+        engines = [  # the trainer loads meanwhile
+            spawn_engines(pg, layout.engines[i : i + 1], keep_old_kv=keep, loading=t, **common)[0]
+            for i, (keep, t) in enumerate([(False, trainers), (True, ())])
         ]
         addr, port = rendezvous_address(pg, 0)
         call(trainers, "init_sync", engines, "gloo", addr, port)
@@ -116,47 +120,6 @@ def test_diff_to_grpo_is_small_and_every_hunk_is_tagged():
     changed, untagged, _ = tagged_diff("grpo.py", "grpo_async.py", TAG)
     assert 0 < changed <= 200, f"grpo_async.py changes {changed} lines of grpo.py (budget 200)"
     assert not untagged, f"hunks without an `# ASYNC: ...` tag near grpo_async.py lines {untagged}"
-
-
-@ray.remote
-class StandInEngine:
-    """AsyncEngine's interface without vLLM. A group's tokens come one by one, 0.02 s apart: 3 of
-    them, or 40 for every 4th seed (a long response, which spans weight updates); each token carries
-    the version the engine holds when it is sampled, so a response can mix versions. After hold(),
-    a group never ends."""
-
-    def __init__(self):
-        self.version, self.cancelled, self.tokens, self.held = 0, 0, 0, False
-
-    async def hold(self):
-        self.held = True
-
-    async def start_weight_update(self):
-        pass
-
-    async def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
-        import asyncio
-
-        versions = []
-        try:
-            while self.held or len(versions) < (40 if seeds[0] % 4 == 0 else 3):
-                await asyncio.sleep(0.02)
-                versions.append(self.version)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        self.tokens += n * len(versions)
-        sample = {"token_ids": [7] * len(versions), "logprobs": [0.0] * len(versions)}
-        return [[{**sample, "versions": versions}] * n]
-
-    async def set_version(self, version):
-        self.version = version
-
-    async def get_stats(self):
-        return {"tokens": self.tokens, "cancelled": self.cancelled}
-
-    async def shutdown(self):
-        pass
 
 
 def run_stand_in_steps(engines, builtin_dir, max_lag: int, steps: int, train_s: float):
@@ -373,12 +336,6 @@ def test_tokens_without_a_weight_version_stop_the_run():
         token_versions(4, None)
     with pytest.raises(RuntimeError, match="to 2 of 5 sampled tokens"):
         token_versions(5, spans[:1])
-
-
-@ray.remote
-class Busy:
-    def work(self, seconds: float):
-        time.sleep(seconds)
 
 
 def test_a_call_ends_when_an_actor_it_watches_dies():

@@ -9,8 +9,15 @@ import sys
 import pytest
 import ray
 import torch
-from conftest import TOLERANCE, logprob_gap, only_run_dir, parity_reward, read_jsonl, run_script
-from test_grpo import grpo_args
+from conftest import (
+    TOLERANCE,
+    grpo_args,
+    logprob_gap,
+    only_run_dir,
+    parity_reward,
+    read_jsonl,
+    run_script,
+)
 from test_weight_sync import sample_and_score
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -175,7 +182,7 @@ def test_sync_makes_the_engine_serve_the_trainers_adapters(ray_cpu, tiny_model, 
     engine_lora = None if merge else {"rank": RANK, "targets": lora.targets(lora_args())}
     engines = spawn_engines(
         pg, layout.engines, model_path=tiny_model, seed=0, backend="gloo", tp=1, max_model_len=256, memory=0.25,
-        use_gpu=False, lora=engine_lora,
+        use_gpu=False, lora=engine_lora, loading=trainers,
     )  # fmt: skip
     call(trainers, "init_sync", engines, "gloo", *rendezvous_address(pg, 0))  # sends B = 0
     prompts = [
@@ -199,7 +206,7 @@ def test_sync_makes_the_engine_serve_the_trainers_adapters(ray_cpu, tiny_model, 
 
 
 @pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
-def test_grpo_with_lora_end_to_end_and_exact_resume(tiny_model, tmp_path):
+def test_grpo_with_lora_end_to_end_and_exact_resume(grpo_run, tiny_model, tmp_path):
     """A GRPO run with --lora-rank and a KL term (π_ref: the adapters off): trainer and engines
     agree on every sampled token after each adapter sync, the first step samples what full
     fine-tuning samples (B = 0), only the adapters travel (< 2 % of the full sync), step_N holds
@@ -216,17 +223,10 @@ def test_grpo_with_lora_end_to_end_and_exact_resume(tiny_model, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    # B = 0: the run starts as full fine-tuning does, sample for sample (the engines with LoRA on)
-    full = run_script(
-        "grpo.py",
-        *grpo_args(tiny_model, tmp_path / "full", *extra, "--num-steps", "1"),
-        "--eval-dataset",
-        "",
-        "--no-save-final",
-    )
-    assert full.returncode == 0, full.stderr[-3000:]
-    full_dir = only_run_dir(tmp_path / "full")
-    assert read_jsonl(os.path.join(full_dir, "samples.jsonl")) == [
+    # B = 0: the run starts as full fine-tuning does, sample for sample (the engines with LoRA on):
+    # conftest's grpo_run fine-tunes the full model from the same start, seed, data and reward
+    _, full_dir, _ = grpo_run
+    assert [r for r in read_jsonl(os.path.join(full_dir, "samples.jsonl")) if r["step"] == 1] == [
         r for r in read_jsonl(os.path.join(run_dir, "samples.jsonl")) if r["step"] == 1
     ]
     (first,) = [r for r in read_jsonl(os.path.join(full_dir, "metrics.jsonl")) if r["step"] == 1]

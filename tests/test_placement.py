@@ -20,6 +20,16 @@ import ray
 from conftest import REPO, only_run_dir, read_jsonl, run_script
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
+from standins import (
+    CrashingEngine,
+    CrashingTrainer,
+    Critic,
+    Engine,
+    SlowEngine,
+    SlowTrainer,
+    StandIn,
+    Trainer,
+)
 
 from common import placement
 from common.engines import spawn_engines
@@ -37,55 +47,27 @@ TESTS_ON_PATH = {
 SCHEDULE_S = 60  # generous for starting a dozen worker processes on 2 cores; an unschedulable actor never starts
 
 
-class StandIn:
-    """Takes any constructor arguments; reports where Ray put it."""
-
-    def __init__(self, *args, crash: bool = False, delay: float = 0.0):
-        time.sleep(delay)
-        if crash:
-            raise RuntimeError("stand-in failed to start")
-        self.started_at = time.time()
-
-    def where(self) -> dict:
-        ctx = ray.get_runtime_context()
-        resources = ctx.get_assigned_resources()
-        return {"node": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(), "gpus": resources.get("GPU", 0.0),
-                "cpus": resources.get("CPU", 0.0), "started_at": self.started_at,
-                "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}  # fmt: skip
-
-
-class Trainer(StandIn):  # Ray names actors by class: the errors below name the role
-    pass
-
-
-class Critic(StandIn):
-    pass
-
-
-class Engine(StandIn):
-    pass
-
-
 RemoteTrainer, RemoteCritic, RemoteEngine = (ray.remote(c) for c in (Trainer, Critic, Engine))
 
 
 def place(layout: Layout, tp: int = 1, use_gpu: bool = True) -> dict[str, list[tuple]]:
     """Place every actor of `layout` as the scripts do; returns {role: [(slot, where)]}."""
     pg = make_placement_group(layout.bundles, use_gpu=use_gpu)
-    actors = {"trainer": spawn_trainers(RemoteTrainer, pg, layout.trainers, "args", "model")}
+    trainers = spawn_trainers(RemoteTrainer, pg, layout.trainers, "args", "model")
+    actors = {"trainer": trainers}
     if layout.critics:
-        actors["critic"] = spawn_trainers(RemoteCritic, pg, layout.critics, "args", "model")
-    if layout.engines:
-        actors["engine"] = spawn_engines(
-            pg, layout.engines, model_path="model", seed=0, backend="nccl", tp=tp, max_model_len=64, memory=0.4,
-            use_gpu=use_gpu, engine_cls=RemoteEngine,
-        )  # fmt: skip
+        actors["critic"] = spawn_trainers(RemoteCritic, pg, layout.critics, "m")
     if layout.reward_model:
         actors["reward_model"] = [
             ray.remote(StandIn).options(**layout.reward_model.options(pg)).remote()
         ]
-        wait_started(actors["reward_model"])
+    loading = [a for group in actors.values() for a in group]  # all up once the engines are
+    if layout.engines:
+        actors["engine"] = spawn_engines(
+            pg, layout.engines, model_path="model", seed=0, backend="nccl", tp=tp, max_model_len=64, memory=0.4,
+            use_gpu=use_gpu, engine_cls=RemoteEngine, loading=loading,
+        )  # fmt: skip
+    wait_started(loading)  # sft, rm, dpo: no engines
     slots = {"trainer": layout.trainers, "critic": layout.critics, "engine": layout.engines}
     slots["reward_model"] = [layout.reward_model]
     placed = {
@@ -227,14 +209,31 @@ def test_ppo_hybrid_engine_on_two_gpus(logical_gpus):
             assert mine["gpu_ids"] == trainer["gpu_ids"], role
 
 
-class SlowEngine(StandIn):
-    def __init__(self, *args):
-        super().__init__(delay=3.0)
-
-
-class CrashingEngine(StandIn):
-    def __init__(self, *args):
-        super().__init__(crash=True)
+@pytest.mark.parametrize("shared", [False, True], ids=["apart", "one-gpu"])
+def test_trainers_load_while_the_engines_do_but_first_on_a_shared_gpu(logical_gpus, shared):
+    """The scripts spawn their trainers without waiting and hand them to spawn_engines: on GPUs of
+    their own (or on CPU) both load at once, every one up on return; sharing a GPU (sleep mode)
+    the trainers are up before an engine starts (vLLM sizes its memory from what is left free). A
+    trainer that fails meanwhile is named."""
+    layout = Layout(True, trainers=1, engines=1, colocate=shared)
+    pg = make_placement_group(layout.bundles, use_gpu=True)
+    options = dict(model_path="model", seed=0, backend="nccl", tp=1, max_model_len=64, memory=0.4,
+                   use_gpu=True, sleep_mode=shared, engine_cls=ray.remote(SlowEngine))  # fmt: skip
+    trainers = spawn_trainers(ray.remote(SlowTrainer), pg, layout.trainers)
+    engines = spawn_engines(pg, layout.engines, **options, loading=trainers)
+    returned_at = time.time()
+    trainer, engine = ray.get([trainers[0].where.remote(), engines[0].where.remote()])
+    assert max(trainer["started_at"], engine["started_at"]) <= returned_at
+    if shared:
+        assert engine["began_at"] >= trainer["started_at"]
+    else:  # the engine began before the trainer was up: they overlapped
+        assert engine["began_at"] < trainer["started_at"]
+    for actor in trainers + engines:
+        ray.kill(actor)
+    trainers = spawn_trainers(ray.remote(CrashingTrainer), pg, layout.trainers)
+    with pytest.raises(SystemExit, match=r"^error: CrashingTrainer#0 died during start-up: "):
+        spawn_engines(pg, layout.engines, **options, loading=trainers)
+    ray.util.remove_placement_group(pg)
 
 
 def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
@@ -423,6 +422,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.serial  # within seconds
 def test_a_ray_started_on_the_machine_is_left_alone_or_joined_on_purpose(tiny_model, tmp_path):
     """Someone ran `ray start` here, with token authentication (docs/cluster.md). Without
     RAY_ADDRESS a script starts a private instance beside it and says so (Ray would otherwise try to
@@ -494,6 +494,7 @@ def test_a_ray_started_on_the_machine_is_left_alone_or_joined_on_purpose(tiny_mo
             os.remove(current)
 
 
+@pytest.mark.serial  # within seconds
 def test_an_unreachable_ray_address_is_one_line_within_bounded_time():
     """RAY_ADDRESS where nothing listens (refused at once) or where something listens that is not a
     Ray head (Ray's own connect would retry for minutes): one `error:` line naming the address,

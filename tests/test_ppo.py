@@ -13,7 +13,6 @@ from conftest import (
     assert_resume_is_exact,
     logprob_gap,
     only_run_dir,
-    parity_reward,
     read_jsonl,
     run_script,
 )
@@ -142,46 +141,6 @@ def ppo_args(model, out, *extra):
             "--max-response-length", "8", "--engine-memory", "0.25", "--learning-rate", "1e-4", *extra)  # fmt: skip
 
 
-VERIFIER_RUN = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16", "--save-every", "1")
-
-
-@pytest.fixture(scope="module")
-def verifier_run(tiny_model, tmp_path_factory):
-    """One ppo.py run with the rule verifier replaced by a reward that depends on what was sampled
-    (the parity of the response's length: a random tiny model never solves the task, and all-zero
-    rewards would make every advantage, loss and gradient 0). Two tests read it."""
-    tmp = tmp_path_factory.mktemp("ppo")
-    flags = ppo_args(tiny_model, tmp / "runs", *VERIFIER_RUN, "--reward-fn", parity_reward(tmp))
-    result = run_script("ppo.py", *flags)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return flags, only_run_dir(tmp / "runs")
-
-
-@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
-def test_ppo_end_to_end_with_verifier_resumes_exactly(verifier_run):
-    flags, run_dir = verifier_run
-    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    assert (
-        [r["step"] for r in rows] == [0, 1, 2]
-        and "eval/accuracy" in rows[0]
-        and "eval/accuracy" in rows[-1]
-    )
-    for key in ("train/policy_loss", "train/value_loss", "train/clipfrac", "train/approx_kl", "train/kl",
-                "train/explained_variance", "rollout/reward", "time/step", "perf/train_tokens_per_s"):  # fmt: skip
-        assert key in rows[1] and key in rows[2], key
-    assert (
-        rows[2]["train/logprob_diff_max"] < 1e-3
-    )  # step 2 sampled from the weights pushed after step 1
-    assert rows[1]["train/kl"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the reference
-    assert rows[1]["train/kl_coef"] == 0.01 and rows[2]["train/kl_coef"] == pytest.approx(
-        0.01 * (1 - 0.2 * 8 / 16)
-    )
-    assert read_jsonl(os.path.join(run_dir, "samples.jsonl"))
-    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "config.json"))
-    # β adapted so far comes back from ppo_state.json; sampling is seeded per step and prompt
-    assert_resume_is_exact("ppo.py", flags, run_dir)
-
-
 @pytest.fixture(scope="module")
 def reward_model(tmp_path_factory, tokenizer):
     """A random 1-layer reward model whose scores spread over a few units (its head × 100), so that
@@ -224,23 +183,55 @@ def assert_rewards_are_the_models(run_dir, reward_model, tokenizer):
     assert want.std() > 3 * TOLERANCE["score"] * (1 + want.abs().max())
 
 
-@pytest.mark.engine  # on one GPU: the hybrid engine, reward model included
-def test_ppo_with_reward_model(tiny_model, tokenizer, reward_model, tmp_path):
-    out = tmp_path / "runs"
-    flags = ppo_args(tiny_model, out, "--num-steps", "1", "--reward-model", reward_model)
+PPO_RUN = ("--num-steps", "2", "--kl-target", "0.5", "--kl-horizon", "16", "--save-every", "1")
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tiny_model, reward_model, tmp_path_factory):
+    """One ppo.py run with a reward model (scores that depend on what was sampled: a random tiny
+    model never solves the task, and all-zero rewards would make every advantage, loss and gradient
+    0). Two tests read it."""
+    tmp = tmp_path_factory.mktemp("ppo")
+    flags = ppo_args(tiny_model, tmp / "runs", *PPO_RUN, "--reward-model", reward_model)
     result = run_script("ppo.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_jsonl(os.path.join(only_run_dir(out), "metrics.jsonl"))
-    assert rows[-1]["step"] == 1 and rows[-1]["train/grad_norm"] > 0
-    assert_rewards_are_the_models(only_run_dir(out), reward_model, tokenizer)
+    return flags, only_run_dir(tmp / "runs")
 
 
 @pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
-def test_sp2_matches_one_rank(verifier_run, tiny_model, tmp_path):
+def test_ppo_end_to_end_with_a_reward_model_resumes_exactly(ppo_run, reward_model, tokenizer):
+    """Every step logged with its metrics, the rewards the reward model's scores, step 2 sampled
+    from the weights pushed after step 1, β adapting, and a resume from step_1 repeats step 2."""
+    flags, run_dir = ppo_run
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert (
+        [r["step"] for r in rows] == [0, 1, 2]
+        and "eval/accuracy" in rows[0]
+        and "eval/accuracy" in rows[-1]
+    )
+    for key in ("train/policy_loss", "train/value_loss", "train/clipfrac", "train/approx_kl", "train/kl",
+                "train/explained_variance", "rollout/reward", "time/step", "perf/train_tokens_per_s"):  # fmt: skip
+        assert key in rows[1] and key in rows[2], key
+    assert (
+        rows[2]["train/logprob_diff_max"] < 1e-3
+    )  # step 2 sampled from the weights pushed after step 1
+    assert rows[1]["train/kl"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the reference
+    assert rows[1]["train/kl_coef"] == 0.01 and rows[2]["train/kl_coef"] == pytest.approx(
+        0.01 * (1 - 0.2 * 8 / 16)
+    )
+    assert all(r["train/grad_norm"] > 0 for r in rows[1:])
+    assert_rewards_are_the_models(run_dir, reward_model, tokenizer)
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "final", "config.json"))
+    # β adapted so far comes back from ppo_state.json; sampling is seeded per step and prompt
+    assert_resume_is_exact("ppo.py", flags, run_dir)
+
+
+@pytest.mark.cpu_engine("fp32 engines: exact logprobs and an exact resume hold on CPU only")
+def test_sp2_matches_one_rank(ppo_run, tiny_model, tmp_path):
     # --sp-size 2: the policy and the critic each split every row over 2 ranks with ring attention.
     # The runs see the same rollouts (same start weights, same engine seed), so values, GAE, losses
     # and updates must agree.
-    flags, run_dir = verifier_run
+    flags, run_dir = ppo_run
     sp2 = ("--num-trainers", "2", "--num-critics", "2", "--sp-size", "2", "--save-every", "0")
     result = run_script("ppo.py", *flags[: flags.index("--output-dir")], *flags[flags.index("--output-dir") + 2 :],
                         "--output-dir", str(tmp_path / "sp2"), *sp2)  # fmt: skip

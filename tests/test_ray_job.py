@@ -18,6 +18,9 @@ import time
 import pytest
 from conftest import REPO, only_run_dir, read_jsonl
 
+# A job stopped once its first checkpoint is written: alone on the machine.
+pytestmark = pytest.mark.serial
+
 BIN = os.path.dirname(sys.executable)  # the venv's: `ray`, and the `python` the jobs run with
 
 

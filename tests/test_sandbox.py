@@ -15,6 +15,9 @@ from conftest import REPO
 from common import sandbox
 from common.errors import InputError
 
+# Time limits of 1 s and more: alone on the machine.
+pytestmark = pytest.mark.serial
+
 HELD = sandbox.probe()
 FORKS = """import os, time
 n = 0

@@ -9,6 +9,7 @@ import ray
 import torch
 from conftest import assert_same_training, only_run_dir, read_jsonl, run_script, start_ray_cpu
 from safetensors.torch import load_file
+from standins import Echo
 from transformers import AutoModelForCausalLM
 
 import sft
@@ -174,15 +175,6 @@ def test_greedy_completions_batch_like_one_at_a_time(tiny_model, tokenizer):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
         alone = [t for t in out[0, len(prompt) :].tolist() if t != tokenizer.eos_token_id]
         assert got == alone and 0 < len(got) <= 6
-
-
-@ray.remote
-class Echo:
-    """A stand-in trainer rank: its "completion" of a prompt is the prompt's last token."""
-
-    def run(self, fn, prompts, max_new_tokens):  # the trainer shell runs greedy.generate
-        assert fn is greedy.generate
-        return [[p[-1]] for p in prompts]
 
 
 def test_greedy_accuracy_puts_each_completion_back_with_its_row(ray_cpu, tokenizer):

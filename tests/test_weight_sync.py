@@ -7,6 +7,7 @@ import pytest
 import ray
 import torch
 from conftest import TOLERANCE
+from standins import NoOpTrainer, SleepyEngine
 from transformers import AutoTokenizer
 
 import sft
@@ -117,7 +118,7 @@ def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
     trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
     engines = spawn_engines(
         pg, layout.engines, model_path=tiny_model, seed=0, backend="gloo", tp=1, max_model_len=256, memory=0.25,
-        use_gpu=False,
+        use_gpu=False, loading=trainers,
     )  # fmt: skip
     call(trainers, "init_sync", engines, "gloo", *rendezvous_address(pg, 0))
     call(trainers, "perturb", 0.05)
@@ -140,23 +141,6 @@ def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
     for a in trainers + engines:
         ray.kill(a)
     ray.util.remove_placement_group(pg)
-
-
-@ray.remote(num_cpus=0)
-class SleepyEngine:
-    """A stand-in colocated engine whose last wake-up leaves it asleep (vLLM then schedules nothing)."""
-
-    def wake_up(self, tags):
-        return False
-
-
-@ray.remote(num_cpus=0)
-class NoOpTrainer:
-    def push_weights(self):
-        pass
-
-    def check_weights(self):
-        pass
 
 
 def test_an_engine_left_asleep_is_named_not_waited_on(ray_cpu):
@@ -189,7 +173,7 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
         trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
         engines = spawn_engines(
             pg, layout.engines, model_path=tiny_model, seed=0, backend=backend, tp=1, max_model_len=256, memory=0.3,
-            use_gpu=True, sleep_mode=colocate,
+            use_gpu=True, sleep_mode=colocate, loading=trainers,  # colocated: the trainer first
         )  # fmt: skip
         addr, port = rendezvous_address(pg, 0)
         call(trainers, "init_sync", engines, backend, addr, port)
