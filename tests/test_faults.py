@@ -21,9 +21,8 @@ from common.data import split_for_ranks
 from common.models import check_weights
 from common.rewards import call_reward
 
-# Deadlines (a run ends within N s of a fault, nothing left after 10 s) and phases caught by polling:
-# alone on the machine (scripts/test.sh).
-pytestmark = pytest.mark.serial
+# Tests with tight deadlines (a run ends within 25 s of a fault, nothing left 10 s after a SIGKILL) or
+# short phases caught by polling are marked `serial`: alone on the machine (scripts/test.sh).
 
 FLAGS = ("--num-generations", "4", "--prompts-per-step", "4", "--max-response-length", "8", "--engine-memory",
          "0.25", "--eval-dataset", "")  # fmt: skip
@@ -111,6 +110,7 @@ class Run:
 # trainer dies while the driver waits for rollouts (step 2's rewards, slow on purpose): it is named
 # within seconds, and AsyncLLM's engine-core processes must go too (finish checks). A killed Trainer reaches the same
 # `call` in both scripts; a killed AsyncEngine is in test_grpo_async.py's end-to-end test.
+@pytest.mark.serial
 @pytest.mark.parametrize(
     "script,actor,after",
     [
@@ -193,6 +193,7 @@ def test_a_signal_ends_the_run_with_one_last_line(
     assert run.last_line == error  # after whatever the actors printed while they stopped
 
 
+@pytest.mark.serial
 @pytest.mark.engine
 def test_a_hanging_reward_stops_the_run_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
     """A reward function that hangs at step 2: the run stops after --reward-timeout, naming it, the
@@ -462,6 +463,7 @@ def wait_for_phase(run: Run, title: str, timeout: float = 300) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.serial
 @pytest.mark.engine
 @pytest.mark.parametrize(
     "phase", ["Engine.__init__", "Engine.generate", "Trainer.run", "Trainer.push_weights",

@@ -27,8 +27,7 @@ from common.placement import Layout, call, make_placement_group, rendezvous_addr
 from common.rewards import reward_terms
 from common.weight_sync import EngineClient
 
-# Lags, waits and in-flight updates measured against real and stand-in timings: alone on the machine.
-pytestmark = pytest.mark.serial
+# Lags and waits measured against stand-in timings (the tests marked `serial`): alone on the machine.
 
 
 def trainer_logprobs(trainers, prompt, tokens):
@@ -145,6 +144,7 @@ def run_stand_in_steps(engines, builtin_dir, max_lag: int, steps: int, train_s: 
     return rollouts, long_share, lags, waits
 
 
+@pytest.mark.serial
 def test_rollouts_train_what_was_sampled_within_the_lag_bound(builtin_dir):
     """The driver's side (grpo_async.Rollouts) against stand-in engines whose long responses span
     updates: at K = 0, 1, 2 every step trains the groups sent for it, so the share of long groups
@@ -195,6 +195,7 @@ def test_rollouts_train_what_was_sampled_within_the_lag_bound(builtin_dir):
             ray.kill(engine)
 
 
+@pytest.mark.serial
 def test_rewards_are_scored_while_the_trainers_train(builtin_dir, tmp_path):
     """A reward function that takes 2 s per response: the reward workers (one per engine) score
     each group as soon as it is sampled, during the step before (here 6 s of "training"), so from
@@ -338,6 +339,7 @@ def test_tokens_without_a_weight_version_stop_the_run():
         token_versions(5, spans[:1])
 
 
+@pytest.mark.serial
 def test_a_call_ends_when_an_actor_it_watches_dies():
     """The liveness watch: while the trainers train (or receive weights, or save) the engines work
     on their own; one that dies ends the driver's wait within seconds, naming it and the phase,
