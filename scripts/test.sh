@@ -6,8 +6,8 @@
 #      CUDA-graph capture per start; vLLM's CUDA build serves no CPU engine, so those that need the
 #      CPU build are skipped, with the reason) and the GPU tier.
 # Without CUDA the two tiers are one (CUDA is hidden anyway). A CPU tier runs in two parts: the
-# tests marked `serial` (timings, deadlines, signals, hangs: they measure the machine, so they get it
-# alone) one after another, the rest on two pytest-xdist workers: a run spends much of its time
+# tests marked `serial` (tight deadlines and measured waits: they measure the machine, so they get
+# it alone) one after another, the rest on two pytest-xdist workers: a run spends much of its time
 # waiting (Ray, imports, a driver that waits for its actors), so two at once fill the second core
 # (docs/benchmarks.md has the figures); tests that read one shared run are sent to one worker
 # (conftest.py). TEST_WORKERS=1 runs everything in one process. Extra arguments go to pytest (e.g.
