@@ -327,8 +327,10 @@ grpo_tools.main(parse_args(grpo_tools.Args))
 @pytest.mark.cpu_engine("CPU engines by design (gloo weight sync); the GPU tier runs grpo.py's")
 def test_grpo_tools_end_to_end_repeats_and_resumes_exactly(tiny_model, tmp_path):
     """Two trainer ranks and two engines; episodes of up to 3 turns with real tool turns. The
-    trainer and the engines agree on every sampled token of every turn (fp32: 1e-4), two runs of
-    one seed log the same, and a resumed run repeats the steps after its checkpoint exactly."""
+    trainer and the engines agree on every sampled token of every turn (fp32: 1e-4), and a resumed
+    run repeats the steps after its checkpoint exactly: in a fresh process with fresh engines, step
+    2's episodes (each turn seeded by seed, step, turn and episode) come out token for token, so a
+    second run of the same seed is not needed to show that one seed logs the same."""
     (tmp_path / "edited").mkdir()  # named as the script: its runs are grpo_tools.py's
     runner = tmp_path / "edited" / "grpo_tools.py"
     runner.write_text(RUNNER.format(repo=REPO))
@@ -336,29 +338,21 @@ def test_grpo_tools_end_to_end_repeats_and_resumes_exactly(tiny_model, tmp_path)
              "--num-generations", "2", "--num-trainers", "2", "--num-engines", "2",
              "--max-response-length", "48", "--save-every", "1", "--no-save-final", "--seed", "3",
              "--dataset", "data/multiply/prompts_train.jsonl",
-             "--eval-dataset", "data/multiply/prompts_test.jsonl")  # fmt: skip
-    runs = []
-    for name in ("a", "b"):
-        argv = (*flags, "--output-dir", str(tmp_path / name))
-        result = run_script(str(runner), *argv, timeout=900)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs.append((only_run_dir(tmp_path / name), argv))
-    (run_a, argv_a), (run_b, _) = runs
-    metrics = read_jsonl(os.path.join(run_a, "metrics.jsonl"))
+             "--eval-dataset", "data/multiply/prompts_test.jsonl",
+             "--output-dir", str(tmp_path / "a"))  # fmt: skip
+    result = run_script(str(runner), *flags, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path / "a")
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     steps = [row for row in metrics if row["step"] > 0]
     assert [row["step"] for row in metrics] == [0, 1, 2]
     assert all(row["train/logprob_diff_max"] <= 1e-4 for row in steps), steps
     assert sum(row["rollout/tool_calls"] for row in steps) > 0  # tool turns were trained beside
     assert "eval/turns" in metrics[0]
-    samples = read_jsonl(os.path.join(run_a, "samples.jsonl"))
+    samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
     assert any("<|im_start|>tool\n" in row["response"] for row in samples)
-
-    def numbers(rows):
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
-
-    assert numbers(read_jsonl(os.path.join(run_b, "metrics.jsonl"))) == numbers(metrics)
-    assert read_jsonl(os.path.join(run_b, "samples.jsonl")) == samples
-    assert_resume_is_exact(str(runner), argv_a, run_a)
+    assert any(row["step"] == 2 and "<|im_start|>tool\n" in row["response"] for row in samples)
+    assert_resume_is_exact(str(runner), flags, run_dir)  # step 2's multi-turn samples again
 
 
 def test_the_built_in_task_holds_out_a_quarter():
