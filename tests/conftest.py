@@ -240,16 +240,16 @@ def grpo_run(tiny_model, tmp_path_factory):
     return flags, only_run_dir(tmp / "runs"), result.stdout
 
 
-def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 1):
+def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 1, env=None):
     """Resume the finished run `run_dir` (made by `script` with `flags` and --save-every) from
     checkpoints/step_N: the steps after N must log exactly what the uninterrupted run logged
-    (timings aside), once: every per-step file rolls back to step N first."""
+    (timings aside), once: every per-step file rolls back to step N first. `env`: the resumed
+    run's extra environment. Returns the resumed run's stdout."""
     before = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
     assert any(r["step"] > step for r in samples)  # there is something to roll back
-    result = run_script(
-        script, *flags, "--resume", os.path.join(run_dir, "checkpoints", f"step_{step}")
-    )
+    resume = os.path.join(run_dir, "checkpoints", f"step_{step}")
+    result = run_script(script, *flags, "--resume", resume, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resume: from {os.path.basename(run_dir)}/checkpoints/step_{step}, step {step} of" in (
         result.stdout
@@ -268,6 +268,7 @@ def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 
             assert new[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (
                 f"step {old['step']} {key}: {value} -> {new[key]}"
             )
+    return result.stdout
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from conftest import (
     read_jsonl,
     run_script,
 )
+from ray.cluster_utils import Cluster
 from transformers import AutoModelForCausalLM
 
 import grpo
@@ -217,7 +218,12 @@ def test_engine_matches_trainer_after_train_step_and_sync(
 def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(grpo_run, tmp_path):
     """conftest's grpo_run (2 ranks, IcePop, Muon, θ_ema evaluated every step, a KL term) logs every
     step, shows the update's per-token stats on the console, samples step 2 from the weights pushed
-    after step 1, writes a final model, and a resume from step_1 repeats step 2 exactly."""
+    after step 1, writes a final model, and a resume from step_1 repeats step 2 exactly.
+
+    The resume runs on a simulated cluster of three one-CPU nodes, joined through RAY_ADDRESS: each
+    trainer rank and the engine land on a node of their own, so FSDP2's collectives, the
+    rendezvous (from trainer rank 0's node) and the weights pushed after step 2 cross nodes, and the
+    resume is exact all the same."""
     flags, run_dir, stdout = grpo_run
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["train/kl"] > 0
@@ -237,7 +243,25 @@ def test_grpo_two_ranks_end_to_end_checkpoint_loads_in_vllm_and_resumes_exactly(
     # its π_ref is the start model, not the checkpoint it loads (the KL term says so)
     copy = tmp_path / os.path.basename(run_dir)
     shutil.copytree(run_dir, copy)
-    assert_resume_is_exact("grpo.py", flags, str(copy))  # sampling is seeded per step and prompt
+    ray.shutdown()  # this process's local Ray, if a test here started one
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        address = cluster.address
+        stdout = assert_resume_is_exact(
+            "grpo.py", flags, str(copy), env={"RAY_ADDRESS": address}
+        )  # seeded sampling
+    finally:
+        cluster.shutdown()
+    assert f"ray: the Ray cluster at {address} ($RAY_ADDRESS): 3 nodes" in stdout
+    line = next(x for x in stdout.splitlines() if x.startswith("placement: bundle -> node: "))
+    nodes = [part.split(": ")[1].split()[0] for part in line.split("node: ", 1)[1].split(", ")]
+    assert len(nodes) == 3 == len(set(nodes)), line  # bundles 0-1: the trainers, 2: the engine
+    resumed = read_jsonl(os.path.join(copy, "metrics.jsonl"))[-1]
+    assert resumed["perf/sync_probe_gap"] < 1e-4  # step 2's weights, sent across nodes, served
 
 
 # GPU tier: the recommended one-GPU mode end to end, as the default flags pick it on one GPU and

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import ray
-from conftest import REPO, only_run_dir, read_jsonl, run_script
+from conftest import REPO
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 from standins import (
@@ -367,36 +367,9 @@ def test_two_nodes_of_eight_gpus(monkeypatch):
         cluster.shutdown()
 
 
-@pytest.mark.cpu_engine("a simulated cluster of CPU nodes runs CPU engines")
-def test_grpo_on_two_nodes_trainer_and_engine_apart(tiny_model, tmp_path):
-    """grpo.py joins a running cluster through RAY_ADDRESS. Each simulated node has one CPU, so its
-    trainer and its engine must land on different nodes; the weights then travel between nodes, and
-    the rendezvous address comes from trainer rank 0's node."""
-    ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    cluster.add_node(num_cpus=1)
-    try:
-        flags = ("--model", tiny_model, "--output-dir", str(tmp_path), "--num-generations", "4", "--prompts-per-step",
-                 "4", "--max-response-length", "8", "--engine-memory", "0.25", "--num-steps", "2")  # fmt: skip
-        result = run_script("grpo.py", *flags, env={"RAY_ADDRESS": cluster.address})
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert f"ray: the Ray cluster at {cluster.address} ($RAY_ADDRESS): 2 nodes" in result.stdout
-        line = next(
-            x for x in result.stdout.splitlines() if x.startswith("placement: bundle -> node: ")
-        )
-        nodes = [part.split(": ")[1].split()[0] for part in line.split("node: ", 1)[1].split(", ")]
-        assert len(nodes) == 2 and nodes[0] != nodes[1], (
-            line
-        )  # bundle 0: the trainer, bundle 1: the engine
-        rows = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
-        assert [r["step"] for r in rows] == [0, 1, 2]
-        assert (
-            rows[-1]["train/logprob_diff_max"] < 1e-4
-        )  # step 2 sampled with the weights sent across nodes
-    finally:
-        cluster.shutdown()
+# grpo.py joining a running cluster through RAY_ADDRESS, its trainers and engine on nodes of their
+# own (the weights and FSDP2's collectives crossing nodes): test_grpo.py's end-to-end test resumes
+# its run on a simulated cluster of three one-CPU nodes.
 
 
 CLUSTER_DRIVER = """
