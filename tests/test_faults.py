@@ -21,8 +21,11 @@ from common.data import split_for_ranks
 from common.models import check_weights
 from common.rewards import call_reward
 
-# Tests with tight deadlines (a run ends within 25 s of a fault, nothing left 10 s after a SIGKILL) or
-# short phases caught by polling are marked `serial`: alone on the machine (scripts/test.sh).
+# The deadlines below hold with room beside another test's run (scripts/test.sh runs two at once),
+# measured with one busy pytest process beside them: a killed actor's run ended 3.1 s (the engine)
+# and 13.2 s (a trainer, rewards pending) after the kill, the hanging reward's 8.2 s after step 1,
+# nothing was left 2.2 s after the driver's SIGKILL in every phase; a phase polled for comes again
+# every step. So none of them is `serial`.
 
 FLAGS = ("--num-generations", "4", "--prompts-per-step", "4", "--max-response-length", "8", "--engine-memory",
          "0.25", "--eval-dataset", "")  # fmt: skip
@@ -110,7 +113,6 @@ class Run:
 # trainer dies while the driver waits for rollouts (step 2's rewards, slow on purpose): it is named
 # within seconds, and AsyncLLM's engine-core processes must go too (finish checks). A killed Trainer reaches the same
 # `call` in both scripts; a killed AsyncEngine is in test_grpo_async.py's end-to-end test.
-@pytest.mark.serial
 @pytest.mark.parametrize(
     "script,actor,after",
     [
@@ -126,14 +128,14 @@ class Run:
 def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, actor, after):
     flags = ()
     if script == "grpo_async.py":  # the trainer dies while the driver waits for step 2's rewards
-        count = tmp_path / "calls"  # 2 test calls + step 1's 16 fast, then 20 s each
+        count = tmp_path / "calls"  # 2 test calls + step 1's 16 fast, then 60 s each
         (tmp_path / "slow.py").write_text(
             "import os, time\n"
             "def r(response, answer):\n"
             f"    with open({str(count)!r}, 'a') as f:\n"
             "        f.write('.')\n"
             f"    if os.path.getsize({str(count)!r}) > 18:\n"
-            "        time.sleep(20)\n"
+            "        time.sleep(60)\n"
             "    return 0.0\n"
         )
         flags = ("--reward-fn", f"{tmp_path / 'slow.py'}:r")
@@ -141,7 +143,7 @@ def test_a_killed_actor_ends_the_run_naming_it(tiny_model, tmp_path, script, act
               *flags, script=script)  # fmt: skip
     run.wait_for(after)
     run.kill(actor)
-    status, error = run.finish(within=25)  # not after the rewards the driver waits for
+    status, error = run.finish(within=45)  # not after the rewards the driver waits for (60 s)
     assert status == 1 and f"{actor}#0 died during" in error, error
 
 
@@ -193,7 +195,6 @@ def test_a_signal_ends_the_run_with_one_last_line(
     assert run.last_line == error  # after whatever the actors printed while they stopped
 
 
-@pytest.mark.serial
 @pytest.mark.engine
 def test_a_hanging_reward_stops_the_run_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
     """A reward function that hangs at step 2: the run stops after --reward-timeout, naming it, the
@@ -463,7 +464,6 @@ def wait_for_phase(run: Run, title: str, timeout: float = 300) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.serial
 @pytest.mark.engine
 @pytest.mark.parametrize(
     "phase", ["Engine.__init__", "Engine.generate", "Trainer.run", "Trainer.push_weights",
