@@ -126,13 +126,20 @@ class WeightSync:
         if not self.transfer.is_sender:
             return None
         client, gap = self.transfer.client, 0.0
-        for i, theirs in enumerate(client.prompt_logprobs(self.probe)):
-            gap = max(gap, diff := (torch.tensor(theirs) - mine).abs().mean().item())
-            if not diff <= self.tolerance:  # NaN fails too
-                raise RuntimeError(f"{actor_names(client.engines)[i]} does not serve the weights "
-                                   "just pushed: its log-probabilities of a probe text differ from "
-                                   f"the trainer's by {diff:.3g} on average (allowed "
-                                   f"{self.tolerance:g})")  # fmt: skip
+        engines = dict(zip(actor_names(client.engines), client.prompt_logprobs(self.probe)))
+        for name, theirs in {"the trainer": mine, **engines}.items():  # the trainer's first
+            if not (theirs := torch.as_tensor(theirs, dtype=mine.dtype)).isfinite().all():
+                raise RuntimeError(
+                    f"{name}: its log-probabilities of the probe text are not finite (an "
+                    "overflow, a diverged step): train in --dtype float32 or lower --learning-rate"
+                )
+            gap = max(gap, diff := (theirs - mine).abs().mean().item())
+            if not diff <= self.tolerance:
+                raise RuntimeError(
+                    f"{name} does not serve the weights just pushed: its "
+                    "log-probabilities of a probe text differ from the trainer's "
+                    f"by {diff:.3g} on average (allowed {self.tolerance:g})"
+                )
         return gap
 
 

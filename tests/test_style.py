@@ -121,13 +121,15 @@ def test_common_stays_small():
     # sharded update and swap, the best checkpoint); the hooks the shell and checkpoint.py gained
     # for it (~16 lines) were cut elsewhere in common/. Starting the engines while the trainers load
     # (2026-12-02: 7-9 s less per RL start on the CPU, the engine's compile on a GPU overlapping the
-    # trainers' load; first the trainers where vLLM shares their GPU) took 4 lines: 3,504.
+    # trainers' load; first the trainers where vLLM shares their GPU) took 4 lines: 3,504. The probe
+    # after a push naming the side whose log-probabilities are not finite (2026-12-02: a trainer's
+    # fp16 overflow was reported as an engine serving stale weights) took 7 lines: 3,511.
     tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
     weights = source(os.path.join("common", "weights.py")).count("\n")
     assert tools <= 220, f"common/tools.py and sandbox.py have {tools} lines"
     assert weights <= 200, f"common/weights.py has {weights} lines"
     rest = total - tools - weights
-    assert rest <= 3504, f"common/ has {rest} lines besides tools, sandbox and weights"
+    assert rest <= 3511, f"common/ has {rest} lines besides tools, sandbox and weights"
 
 
 @pytest.mark.parametrize("script", PRESENT)

@@ -3,6 +3,9 @@ after a change and a push over nccl or CUDA IPC, engine logprobs equal trainer l
 round trip after a real training step (tied and untied weights, ring attention) is test_grpo.py's
 test_engine_matches_trainer_after_train_step_and_sync."""
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import ray
 import torch
@@ -208,3 +211,53 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
             call(trainers, "push")
     finally:
         ray.shutdown()
+
+
+class ProbeModel(torch.nn.Module):
+    """A model whose next-token logits are fixed (uniform, or NaN from `nan_at` on)."""
+
+    def __init__(self, vocab: int = 8, nan_at: int | None = None):
+        super().__init__()
+        self.weight, self.vocab, self.nan_at = torch.nn.Parameter(torch.zeros(1)), vocab, nan_at
+        self.config = SimpleNamespace(_attn_implementation="sdpa")  # what ring attention reads
+
+    def forward(self, input_ids, use_cache=False):
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        if self.nan_at is not None:
+            logits[:, self.nan_at :] = float("nan")
+        return SimpleNamespace(logits=logits)
+
+
+def probe_check(model, engine_logprobs: list[list[float]], dtype=torch.float16):
+    """WeightSync.check on rank 0 against stand-in engines that return `engine_logprobs`."""
+    from common.weight_sync import PROBE_TOLERANCE, WeightSync
+
+    engines = [
+        SimpleNamespace(
+            _ray_actor_creation_function_descriptor=SimpleNamespace(class_name="Engine")
+        )
+        for _ in engine_logprobs
+    ]
+    client = SimpleNamespace(engines=engines, prompt_logprobs=lambda probe: engine_logprobs)
+    sync = WeightSync.__new__(WeightSync)
+    sync.model, sync.probe, sync.tolerance = model, [1, 2, 3, 4], PROBE_TOLERANCE[dtype]
+    sync.dtype_name, sync.transfer = (
+        str(dtype).removeprefix("torch."),
+        SimpleNamespace(is_sender=True, client=client),
+    )
+    return sync.check()
+
+
+def test_the_probe_names_the_side_that_is_not_finite():
+    """A trainer whose own probe log-probs are NaN (fp16 overflow) is named, not the engine that
+    served what it was sent; an engine's NaN names that engine; both say what to do; agreeing
+    finite sides pass with their gap, and a finite mismatch is still the engine's."""
+    uniform = [-math.log(8)] * 3  # the trainer's log p of tokens 2..4 under uniform logits
+    assert probe_check(ProbeModel(), [uniform, uniform]) == pytest.approx(0.0, abs=1e-6)
+    fix = r"are not finite \(an overflow, a diverged step\): train in --dtype float32"
+    with pytest.raises(RuntimeError, match=rf"^the trainer: its log-probabilities .* {fix}"):
+        probe_check(ProbeModel(nan_at=2), [uniform, uniform])
+    with pytest.raises(RuntimeError, match=rf"^Engine#1: its log-probabilities .* {fix}"):
+        probe_check(ProbeModel(), [uniform, [uniform[0], float("nan"), uniform[2]]])
+    with pytest.raises(RuntimeError, match=r"^Engine#0 does not serve the weights just pushed"):
+        probe_check(ProbeModel(), [[0.0] * 3, uniform])
