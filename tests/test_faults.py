@@ -24,8 +24,8 @@ from common.rewards import call_reward
 # The deadlines below hold with room beside another test's run (scripts/test.sh runs two at once),
 # measured with one busy pytest process beside them: a killed actor's run ended 3.1 s (the engine)
 # and 13.2 s (a trainer, rewards pending) after the kill, the hanging reward's 8.2 s after step 1,
-# nothing was left 2.2 s after the driver's SIGKILL in every phase; a phase polled for comes again
-# every step. So none of them is `serial`.
+# nothing was left 2.2 s after the driver's SIGKILL in every phase; a short phase polled for comes
+# again every step (start-up lasts seconds). So none of them is `serial`.
 
 FLAGS = ("--num-generations", "4", "--prompts-per-step", "4", "--max-response-length", "8", "--engine-memory",
          "0.25", "--eval-dataset", "")  # fmt: skip

@@ -241,10 +241,7 @@ def probe_check(model, engine_logprobs: list[list[float]], dtype=torch.float16):
     client = SimpleNamespace(engines=engines, prompt_logprobs=lambda probe: engine_logprobs)
     sync = WeightSync.__new__(WeightSync)
     sync.model, sync.probe, sync.tolerance = model, [1, 2, 3, 4], PROBE_TOLERANCE[dtype]
-    sync.dtype_name, sync.transfer = (
-        str(dtype).removeprefix("torch."),
-        SimpleNamespace(is_sender=True, client=client),
-    )
+    sync.transfer = SimpleNamespace(is_sender=True, client=client)
     return sync.check()
 
 
