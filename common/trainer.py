@@ -15,7 +15,7 @@ import torch.distributed.checkpoint.state_dict as sd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import checkpoint, lora, placement, weight_sync, weights
+from common import checkpoint, lora, packed_attn, placement, weight_sync, weights
 from common.memory import to_device
 from common.precision import LossScale, compute_dtype
 from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch, sp_groups
@@ -27,7 +27,8 @@ def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dt
     on GPU it computes in `dtype`. `adapters`: LoRA on the frozen base; `cfg`: config overrides."""
     base = adapters.base if adapters else path
     compute = compute_dtype(device, dtype)  # fp32 on CPU
-    config, attn = AutoConfig.from_pretrained(base, **cfg), attn_implementation(device, compute)
+    config = AutoConfig.from_pretrained(base, **cfg)
+    attn = attn_implementation(device, compute, config)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = auto_cls.from_config(config, dtype=torch.float32, attn_implementation=attn)
     if gradient_checkpointing:
@@ -68,12 +69,14 @@ def load_weights(model, auto_cls, path: str, device, adapters=None) -> list[str]
     return message[0]
 
 
-def attn_implementation(device, dtype) -> str:
-    """flash-attn 2 where it runs (installed, CUDA, Ampere or newer GPUs, 16-bit), else SDPA."""
+def attn_implementation(device, dtype, config) -> str:
+    """flash-attn 2 where it runs (installed, CUDA, Ampere or newer GPUs, 16-bit), else SDPA that
+    attends each sequence of a packed row only to itself (common/packed_attn.py)."""
     half = dtype in (torch.float16, torch.bfloat16)
     if device.type != "cuda" or not half or importlib.util.find_spec("flash_attn") is None:
-        return "sdpa"
-    return "flash_attention_2" if torch.cuda.get_device_capability(device)[0] >= 8 else "sdpa"
+        return packed_attn.enable(config)
+    ampere = torch.cuda.get_device_capability(device)[0] >= 8
+    return "flash_attention_2" if ampere else packed_attn.enable(config)
 
 
 def load_policy(path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto"):

@@ -14,9 +14,11 @@ import pytest
 import torch
 import tyro
 from conftest import REPO
+from transformers import LlamaConfig
 
 from common import trainer as common_model
 from common.data import split_for_ranks
+from common.packed_attn import PACKED
 
 SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
 
@@ -74,9 +76,14 @@ def test_micro_batch_budget_follows_the_sequence_length(name, flags, longest, bu
 
 
 @pytest.mark.parametrize(
-    "capability,installed,want", [((8, 0), True, "flash_attention_2"), ((9, 0), True, "flash_attention_2"),
-                                  ((7, 5), True, "sdpa"), ((8, 0), False, "sdpa")],
-)  # fmt: skip
+    "capability,installed,want",
+    [
+        ((8, 0), True, "flash_attention_2"),
+        ((9, 0), True, "flash_attention_2"),
+        ((7, 5), True, PACKED),
+        ((8, 0), False, PACKED),
+    ],
+)
 def test_flash_attention_only_where_it_runs(monkeypatch, capability, installed, want):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     real_find_spec = importlib.util.find_spec
@@ -87,11 +94,12 @@ def test_flash_attention_only_where_it_runs(monkeypatch, capability, installed, 
             (object() if installed else None) if name == "flash_attn" else real_find_spec(name, *a)
         ),
     )
-    cuda = torch.device("cuda", 0)
+    cuda, config = torch.device("cuda", 0), LlamaConfig()
     for dtype in (torch.bfloat16, torch.float16):
-        assert common_model.attn_implementation(cuda, dtype) == want
-    assert common_model.attn_implementation(cuda, torch.float32) == "sdpa"  # flash-attn: 16-bit
-    assert common_model.attn_implementation(torch.device("cpu"), torch.float32) == "sdpa"
+        assert common_model.attn_implementation(cuda, dtype, config) == want
+    # flash-attn takes 16 bits; elsewhere SDPA, each packed sequence attending only to itself
+    assert common_model.attn_implementation(cuda, torch.float32, config) == PACKED
+    assert common_model.attn_implementation(torch.device("cpu"), torch.float32, config) == PACKED
 
 
 def one_micro_batch(module, **per_token):

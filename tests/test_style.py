@@ -123,13 +123,15 @@ def test_common_stays_small():
     # (2026-12-02: 7-9 s less per RL start on the CPU, the engine's compile on a GPU overlapping the
     # trainers' load; first the trainers where vLLM shares their GPU) took 4 lines: 3,504. The probe
     # after a push naming the side whose log-probabilities are not finite (2026-12-02: a trainer's
-    # fp16 overflow was reported as an engine serving stale weights) took 7 lines: 3,511.
+    # fp16 overflow was reported as an engine serving stale weights) took 7 lines: 3,511. Attention
+    # over packed rows without a T x T mask (2026-12-02: common/packed_attn.py, 89 lines, and 3 in
+    # the shell; the mask was ~97 % wasted work and T^2 bytes a layer at the GPU budgets): 3,603.
     tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
     weights = source(os.path.join("common", "weights.py")).count("\n")
     assert tools <= 220, f"common/tools.py and sandbox.py have {tools} lines"
     assert weights <= 200, f"common/weights.py has {weights} lines"
     rest = total - tools - weights
-    assert rest <= 3511, f"common/ has {rest} lines besides tools, sandbox and weights"
+    assert rest <= 3603, f"common/ has {rest} lines besides tools, sandbox and weights"
 
 
 @pytest.mark.parametrize("script", PRESENT)
