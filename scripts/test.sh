@@ -52,4 +52,5 @@ if "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
 else
   tier "all (no CUDA here: the GPU tier is skipped)" "" CUDA_VISIBLE_DEVICES=
 fi
+echo "== tests: ${SECONDS} s in all, set-up excluded (exit status $status)"
 exit $status
