@@ -479,7 +479,7 @@ def main(args: Args):
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
-        sync_bytes, probe_gap = sync_weights(trainers, engines, args.colocate)
+        synced = sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ---- log ----
@@ -489,8 +489,7 @@ def main(args: Args):
             **rollout_metrics(rewards, parts, responses, G),
             **train_metrics(results, args),
             **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
-            "perf/sync_bytes": sync_bytes,
-            "perf/sync_probe_gap": probe_gap,  # trainer vs engines on a probe text
+            **synced,  # perf/sync_*: bytes, the probe's gap, seconds waking, sending, probing
             **sampled,  # DAPO (dynamic-sampling)
         }
         end_step(step + 1, metrics, batch, texts, rewards)

@@ -457,7 +457,7 @@ def main(args: Args):
         t_train = time.time()
 
         # ASYNC: push in flight (the engines pause between decoding steps), check (weight_sync.py)
-        sync_bytes, probe_gap = sync_weights(trainers, engines, colocated=False)
+        synced = sync_weights(trainers, engines, colocated=False)
         rollouts.fill(step + 1)  # the step after next may now be sampled
         t_sync = time.time()
         phases.append((t0, t_gen, t_train, t_sync))
@@ -471,8 +471,7 @@ def main(args: Args):
             **rollout_metrics(rewards, parts, responses, G),
             **train_metrics(results, args),
             **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
-            "perf/sync_bytes": sync_bytes,
-            "perf/sync_probe_gap": probe_gap,  # trainer vs engines on a probe text
+            **synced,  # perf/sync_*: bytes, the probe's gap, seconds waking, sending, probing
             **lag_metrics(responses, step, engine),  # ASYNC
         }
         end_step(step + 1, metrics, batch, texts, rewards, [s["versions"] for s in responses])

@@ -52,7 +52,7 @@ from common.placement import call
 from common.precision import choose_dtype
 from common.prompts import encode_prompts, read_prompts
 from common.rewards import composed_reward, reward_terms, score_responses
-from common.tools import calculator, call_tool, tool_turn  # TOOLS: common/tools.py
+from common.tools import calculator, call_tools, tool_turn  # TOOLS: common/tools.py
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
@@ -224,7 +224,7 @@ def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, dra
         outs = generate(engines, sent, n=1, temperature=temperature, top_p=args.top_p,
                         max_tokens=room, seed=args.seed, draw=draw and f"{draw}/{turn}",
                         index=live, stop=[stop])  # fmt: skip
-        going = []
+        going, calls = [], []
         for e, prompt, left, (s,) in zip(live, sent, room, outs):
             episode, sampled = episodes[e], s["token_ids"]
             if s["prompt_ids"] != prompt:  # vLLM read other tokens than the episode holds
@@ -239,12 +239,16 @@ def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, dra
             episode["ended_on_call"] = call is not None
             if call is None or s["finish_reason"] == "length" or turn + 1 == args.max_turns:
                 continue
-            output = call_tool(fn, call, args.tool_timeout + 1)[: args.max_tool_output]
+            calls.append((e, call, left - len(sampled)))
+        at_once = args.tool == "python"  # the sandbox's calls together, a core each
+        outputs = call_tools(fn, [c for _, c, _ in calls], args.tool_timeout + 1, at_once)
+        for (e, _, left), output in zip(calls, outputs):
+            episode, output = episodes[e], output[: args.max_tool_output]
             episode["tool_calls"] += 1
             episode["tool_errors"] += output.startswith("error")
             # the turn's end (EOS, unless a stop string ended it) and the tool turn: context only
-            glue = [eos] * (sampled[-1:] != [eos]) + tool_turn(tokenizer, output)
-            if len(glue) >= left - len(sampled):  # no room left for an answer
+            glue = [eos] * (episode["final"][-1:] != [eos]) + tool_turn(tokenizer, output)
+            if len(glue) >= left:  # no room left for an answer
                 episode["finish_reason"] = "length"
                 continue
             episode["ids"] += glue
@@ -550,7 +554,7 @@ def main(args: Args):
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
-        sync_bytes, probe_gap = sync_weights(trainers, engines, args.colocate)
+        synced = sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ---- log ----
@@ -560,8 +564,7 @@ def main(args: Args):
             **rollout_metrics(rewards, parts, responses, G),
             **train_metrics(results, args),
             **time_metrics((t0, t_gen, t_train, t_sync), generated, trained),
-            "perf/sync_bytes": sync_bytes,
-            "perf/sync_probe_gap": probe_gap,  # trainer vs engines on a probe text
+            **synced,  # perf/sync_*: bytes, the probe's gap, seconds waking, sending, probing
         }
         end_step(step + 1, metrics, batch, texts, rewards)
 

@@ -607,7 +607,7 @@ def main(args: Args):
         t_train = time.time()
 
         # wake (colocated), push, check the engines serve the new weights (common/weight_sync.py)
-        sync_bytes, probe_gap = sync_weights(trainers, engines, args.colocate)
+        synced = sync_weights(trainers, engines, args.colocate)
         t_sync = time.time()
 
         # ALGO LOGIC: adapt β toward the target KL per response (Ziegler et al. 2019)
@@ -625,8 +625,7 @@ def main(args: Args):
             **train_metrics(*results, args, values, returns, mask),
             **engine_metrics(engine, logprobs, mask),
             **time_metrics(times, sum(lengths), trained),
-            "perf/sync_bytes": sync_bytes,
-            "perf/sync_probe_gap": probe_gap,  # trainer vs engines on a probe text
+            **synced,  # perf/sync_*: bytes, the probe's gap, seconds waking, sending, probing
         }
         done = step + 1
         if done % args.eval_every == 0 or done == args.num_steps:

@@ -35,6 +35,7 @@ class AsyncEngine:
         from vllm.sampling_params import RequestOutputKind
 
         base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
+        base["detokenize"] = False  # the driver decodes the tokens it reads
         lora = lora_request(self.adapter)
 
         async def one(i: int, j: int) -> dict:  # sample j of prompt i

@@ -19,8 +19,9 @@ from common.models import check_weights, whole_file
 from common.tracking import check_output_dir, check_tracking, lock_run_dir, write_json
 
 
-def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool) -> None:
-    """All ranks gather the full state dict to CPU; rank 0 writes an HF folder + optimizer state."""
+def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool, **extra) -> None:
+    """All ranks gather the full state dict to CPU; rank 0 writes an HF folder + optimizer state
+    (with `extra`: the loss scale)."""
     opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
     # An eval (forward, no backward) leaves FSDP2's root unsharded, its params not the optimizer's
     model.reshard()  # as get_model_state_dict would, but LoRA's step_N skips that
@@ -39,7 +40,8 @@ def save(model, optimizer, tokenizer, path: str, step: int, with_optimizer: bool
             model.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
         if optim:
-            torch.save({"optimizer": optim, "step": step}, os.path.join(path, "trainer_state.pt"))
+            state = {"optimizer": optim, "step": step, **extra}
+            torch.save(state, os.path.join(path, "trainer_state.pt"))
     dist.barrier()
 
 

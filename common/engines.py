@@ -87,7 +87,8 @@ class Engine:
         `max_tokens`: a list, per prompt; `stop` strings end a sample (kept), add `prompt_ids`."""
         from vllm import SamplingParams, TokensPrompt
 
-        base = dict(temperature=temperature, top_p=top_p, logprobs=0)
+        # no text unless a stop string needs it (else vLLM decodes every token): the driver decodes
+        base = dict(temperature=temperature, top_p=top_p, logprobs=0, detokenize=bool(stop))
         base |= dict(stop=stop, include_stop_str_in_output=True) if stop else {}
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         if seeds is None:

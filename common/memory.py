@@ -3,8 +3,11 @@ a trainer rank holds (FSDP2-sharded) fp32 weights (4 B), gradients (4 B, freed a
 AdamW's moments (8 B); a frozen reference 4 B. While computing it adds compute-dtype copies (2 B;
 fp32 4 B) of two decoder layers and the root, their gradients, activations and the LM head's chunk.
 Engines take their --engine-memory share; a reward model is whole; each process adds a CUDA context.
-LoRA: a frozen compute-dtype base (also π_ref) + 16 B per adapter parameter. All lower bounds: a
-plan that fits is never refused (docs/cluster.md)."""
+LoRA: a frozen compute-dtype base (also π_ref) + 16 B per adapter parameter. --ema-beta: fp32
+shards of θ_ema (4 B; on --resume its checkpoint's copy is loaded first, 4 B more for a moment,
+before AdamW's state: below the training peak). A model that needs SDPA's mask over a packed row
+(sliding windows, softcaps: common/packed_attn.py) keeps a T x T bias per layer for the backward.
+All lower bounds: a plan that fits is never refused (docs/cluster.md)."""
 
 import copy
 import math
@@ -15,7 +18,7 @@ import torch
 
 from common.errors import InputError
 from common.flags import Engines
-from common.precision import BYTES, SHORT, first_gpu
+from common.precision import BYTES, SHORT, check_served_in, first_gpu
 
 GiB = 2**30
 CONTEXT = 1.0 * GiB  # per GPU process: its CUDA context, workspaces (0.8 on an H200: benchmarks.md)
@@ -35,12 +38,15 @@ class Shape:
     kv: int  # key/value heads x head dim
     vocab: int
     adapters: int = 0  # trained parameters of its LoRA adapters (and head); 0: fully trained
+    masked: bool = False  # a packed row gets SDPA's T x T mask (common/packed_attn.needs_mask)
 
 
 def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
     """Exact counts from the model (HF config or folder) built on the meta device; head "lm" or
     "score" (one label); lora (rank, targets): r (in + out) per adapted linear, score head whole."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from common.packed_attn import needs_mask
 
     config = AutoConfig.from_pretrained(config) if isinstance(config, str) else config
     if head != "lm":
@@ -62,7 +68,7 @@ def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
     return Shape(params=params, layer=max(layers), root=params - sum(layers), layers=len(layers),
                  hidden=hidden, intermediate=getattr(text, "intermediate_size", 4 * hidden),
                  kv=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
-                 adapters=adapters)  # fmt: skip
+                 adapters=adapters, masked=needs_mask(config))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -85,15 +91,19 @@ class Job:
     reward_model: Shape | None = None
     offload: bool = False  # colocated ppo.py: critic and reward model wait in host RAM when idle
     dtype: str = "bfloat16"  # the compute dtype (--dtype as chosen): 2 B per value, float32 4 B
+    ema: bool = False  # --ema-beta: fp32 shards of θ_ema beside θ's
 
 
-def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype: str) -> tuple:
+def trainer(s: Shape, ranks, tokens, ckpt: bool, lm_head: float, dtype: str, ema=False, sp=1):
     """(resident between steps, training) bytes of one rank of a trained model, by part."""
     b, short = BYTES[dtype], SHORT[dtype]  # the compute dtype's bytes per value, its short name
     base = {f"frozen {short} base": b * s.params / ranks} if s.adapters else {}
+    base |= {"EMA (fp32)": 4 * s.params / ranks} if ema else {}  # (LoRA has no EMA)
     trained, count = ("adapters", s.adapters) if s.adapters else ("weights", s.params)
     idle = {**base, f"{trained} + AdamW": 12 * count / ranks}  # grads: freed after each step
     busy = {**base, f"{trained} + grads + AdamW": 16 * count / ranks}
+    if s.masked and sp == 1:  # ring attention has no mask; checkpointing keeps one layer's
+        busy["packed-row masks"] = b * tokens**2 * (1 if ckpt else s.layers)
     # two decoder layers (in use, prefetched) and the root gathered, with their grads if trained
     busy[f"gathered {short} layers"] = b * (1 + (not s.adapters)) * (2 * s.layer + s.root)
     # what autograd keeps: per layer its input, normed inputs, q/k/v, attention output, MLP gate, up
@@ -108,10 +118,13 @@ def trainer(s: Shape, ranks: int, tokens: int, ckpt: bool, lm_head: float, dtype
 def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
     """(GPU, phase, {part: bytes}) for each kind of GPU of the job and each phase of its peak."""
     tokens, ckpt = job.tokens // job.sp, job.checkpointing
-    idle, busy = trainer(job.policy, job.trainers, tokens, ckpt, job.lm_head, job.dtype)
+    policy = job.policy, job.trainers, tokens, ckpt, job.lm_head, job.dtype, job.ema, job.sp
+    idle, busy = trainer(*policy)
     ref = {"reference": 4 * job.policy.params / job.trainers} if job.reference else {}
     engine = {"vLLM (weights + KV cache)": job.engine_memory * capacity} if job.engines else {}
-    parts = trainer(job.critic, job.critics, tokens, ckpt, 0, job.dtype) if job.critic else ({}, {})
+    parts = ({}, {})
+    if job.critic:
+        parts = trainer(job.critic, job.critics, tokens, ckpt, 0, job.dtype, sp=job.sp)  # no EMA
     critic_idle, critic_busy = ({f"critic {k}": v for k, v in p.items()} for p in parts)
     rm = {"reward model": BYTES[job.dtype] * job.reward_model.params} if job.reward_model else {}
 
@@ -218,6 +231,10 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
                              "machine's RAM")  # fmt: skip
     if not use_gpu:
         return False
+    if engines:  # vLLM refuses some models in float16: before anything loads
+        from transformers import AutoConfig
+
+        check_served_in(flags.dtype, AutoConfig.from_pretrained(policy))
     chunks = (head == "lm") * ((6.5 if top_p < 1 else 3) + entropy)
     targets = [t.strip() for t in flags.lora_target_modules.split(",")]
 
@@ -231,6 +248,7 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
             critic=shape_of(critic, "score", (rank, targets)) if critic else None,
             reward_model=shape_of(reward_model, "score") if reward_model else None,
             dtype=flags.dtype if flags.dtype in BYTES else "bfloat16",  # "auto": 2 B, as bf16
+            ema=getattr(flags, "ema_beta", 0) > 0,
         )  # fmt: skip
 
     # one GPU's bytes: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else unknown

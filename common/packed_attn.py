@@ -19,13 +19,18 @@ PACKED = "packed_sdpa"
 _last = [None, None]  # the position_ids last cut and their cuts: once per forward, not per layer
 
 
-def enable(config) -> str:
-    """PACKED for a model whose every layer is plainly causal, else "sdpa" (sliding windows and
-    logit softcaps need the mask). Registers the two functions (once per process)."""
+def needs_mask(config) -> bool:
+    """Sliding windows and logit softcaps need SDPA's mask (and so its T x T bytes)."""
     text = config.get_text_config()
     windowed = "sliding_attention" in (getattr(text, "layer_types", None) or ())
     windowed |= bool(getattr(text, "sliding_window", 0) and getattr(text, "use_sliding_window", 1))
-    if windowed or getattr(text, "attn_logit_softcapping", None):
+    return windowed or bool(getattr(text, "attn_logit_softcapping", None))
+
+
+def enable(config) -> str:
+    """PACKED for a model whose every layer is plainly causal, else "sdpa". Registers the two
+    functions (once per process)."""
+    if needs_mask(config):
         return "sdpa"
     AttentionInterface.register(PACKED, packed_attention_forward)
     AttentionMaskInterface.register(PACKED, packed_mask)
@@ -75,7 +80,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash(query.device):
         from torch.nn.attention.varlen import varlen_attn
 
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
         out = varlen_attn(
             q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=True
         )

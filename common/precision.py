@@ -16,6 +16,8 @@ from common.errors import InputError
 OLDEST = (7, 5)  # the pinned CUDA 13 builds of torch and vLLM run on Turing (T4) and newer
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# model types vLLM 0.32 refuses to serve in float16 ("numerical instability", vllm/config/model.py)
+NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "glm4")
 
 
 def first_gpu(*fields: str) -> list[str] | None:
@@ -65,6 +67,16 @@ def choose_dtype(dtype: str, use_gpu: bool) -> str:
     return chosen
 
 
+def check_served_in(dtype: str, config) -> None:
+    """The engines will serve this model (an HF config) in the run's dtype, or one line why not."""
+    kinds = {config.model_type, config.get_text_config().model_type}
+    if dtype == "float16" and (kind := next((k for k in kinds if k in NO_FLOAT16), None)):
+        raise InputError(
+            f"vLLM does not serve {kind} models in float16 (numerical instability), the dtype of "
+            "this run (--dtype float16, or a GPU older than Ampere): use --dtype float32"
+        )
+
+
 def compute_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
     """A trainer's or engine's dtype: the driver's, rechecked on a GPU the driver may not see."""
     if device.type == "cuda":
@@ -82,7 +94,18 @@ class LossScale:
         self.value, self.interval, self.good = scale if self.on else 1.0, interval, 0
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.on and not torch.isfinite(loss):  # the forward overflowed: no scale can help
+            raise FloatingPointError(
+                "a non-finite loss in float16: the model's forward pass overflows float16 "
+                "(Qwen-family models do); use --dtype float32 (or bfloat16 on Ampere and newer)"
+            )
         (loss * self.value).backward()
+
+    def state_dict(self) -> dict:  # in the checkpoint: a resumed run goes on at the same scale
+        return {"value": self.value, "good": self.good}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.good = state["value"], state["good"]
 
     @torch.no_grad()
     def unscale(self, params) -> None:  # divide the gradients by S, before they are clipped

@@ -2,8 +2,11 @@
 model's to read, and the built-in calculator (the Python tool's sandbox is common/sandbox.py)."""
 
 import ast
+import contextlib
 import operator
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 from common.data import render
 from common.errors import InputError
@@ -29,16 +32,26 @@ def tool_turn(tokenizer, content: str) -> list[int]:
     return after[end:]
 
 
-def call_tool(fn, text: str, timeout: float) -> str:
+def call_tool(fn, text: str, timeout: float | None) -> str:
     """A tool's output for the model's `text`: str(fn(text)); a raise or a hang over `timeout` s
-    is the output instead (the model reads it), and the run goes on."""
+    is the output instead (the model reads it), and the run goes on. None: fn keeps its own time."""
     try:
-        with time_limit(timeout):
+        with time_limit(timeout) if timeout else contextlib.nullcontext():
             return str(fn(text))
     except Late:
         return f"error: the tool did not return within {timeout:g} s"
     except Exception as e:
         return f"error: {type(e).__name__}: {e}"
+
+
+def call_tools(fn, texts: list[str], timeout: float, at_once: bool = False) -> list[str]:
+    """call_tool for each of a turn's calls, the outputs in order. at_once: in threads, a core
+    each, for a tool that waits on a process of its own and keeps its own time limit (the
+    sandbox: ~59 ms a call, mostly the interpreter's start)."""
+    if not at_once or len(texts) <= 1:
+        return [call_tool(fn, text, timeout) for text in texts]
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:  # time_limit: main thread only
+        return list(pool.map(lambda text: call_tool(fn, text, None), texts))
 
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

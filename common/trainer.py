@@ -184,18 +184,25 @@ class Trainer:
         return self.weight_sync.check()
 
     def save(self, path: str, step: int, with_optimizer: bool):  # a collective: rank 0 writes
-        checkpoint.save(self.model, self.optimizer, self.tokenizer, path, step, with_optimizer)
+        scale = self.loss_scale.state_dict()
+        args = self.model, self.optimizer, self.tokenizer, path, step, with_optimizer
+        checkpoint.save(*args, loss_scale=scale)
         if self.ema:  # θ_ema beside it: an HF folder of its own, ema/
             weights.ema_swap(self)
             checkpoint.save(self.model, None, self.tokenizer, f"{path}/ema", step, False)
             weights.ema_swap(self)
 
     def load_optimizer(self, path: str):
-        """Rank 0 reads the checkpoint's optimizer state, each rank keeps its shard."""
+        """Rank 0 reads the checkpoint's optimizer state, each rank keeps its shard; the loss scale
+        to every rank (checkpoints from before it was saved: the start's)."""
         opts = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         state = torch.load(f"{path}/trainer_state.pt", weights_only=False) if self.rank == 0 else {}
         optim = state.get("optimizer", {})
         sd.set_optimizer_state_dict(self.model, self.optimizer, optim, options=opts)
+        scale = [state.get("loss_scale")]
+        dist.broadcast_object_list(scale, src=0)
+        if scale[0] is not None:
+            self.loss_scale.load_state_dict(scale[0])
 
 
 class Critic(Trainer):

@@ -9,6 +9,8 @@ Each trainer rank calls `init_weight_sync` once, `.push()` after each optimizer 
 stale or half-loaded weights: engines refuse an update missing one, `.check()` compares their
 log-probs of a probe text to the trainer's. vLLM is imported lazily (the driver loads this too)."""
 
+import time
+
 import ray
 import torch
 
@@ -23,17 +25,27 @@ PROBE_TEXT = "Weights check: 12 + 35 = 47, and the quick brown fox jumps over th
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
 
 
-def sync_weights(trainers: list, engines: list, colocated: bool) -> tuple[int, float]:
-    """After each optimizer step: trainers' weights into the engines, checked; returns bytes per
-    engine and the probe's gap. Colocated: wake weights, then (IPC copies freed) the KV cache."""
+def sync_weights(trainers: list, engines: list, colocated: bool) -> dict:
+    """After each optimizer step: trainers' weights into the engines, checked. Colocated: wake the
+    weights, then (IPC copies freed) the KV cache. Returns perf/ metrics: bytes per engine, the
+    probe's gap, and the seconds spent waking the engines, sending, probing."""
+    start = time.perf_counter()
     if colocated:
         call(engines, "wake_up", ["weights"])
+    woken = time.perf_counter()
     sent = call(trainers, "push_weights", watch=engines)  # an engine that dies in it: named
+    sent_at = time.perf_counter()
     if colocated:  # an engine that is not fully awake schedules nothing: its generate would hang
         for i, awake in enumerate(call(engines, "wake_up", ["kv_cache"])):
             if not awake:
                 raise RunError(f"{actor_names(engines)[i]} is still asleep after its wake-up")
-    return sent[0], call(trainers, "check_weights", watch=engines)[0]  # rank 0 compares
+    probing = time.perf_counter()
+    gap = call(trainers, "check_weights", watch=engines)[0]  # rank 0 compares
+    wake = woken - start + probing - sent_at
+    seconds = dict(wake_s=wake, transfer_s=sent_at - woken, probe_s=time.perf_counter() - probing)
+    return {"perf/sync_bytes": sent[0], "perf/sync_probe_gap": gap} | {
+        f"perf/sync_{k}": v for k, v in seconds.items()
+    }
 
 
 def choose_backend(use_gpu: bool, colocate: bool) -> str:

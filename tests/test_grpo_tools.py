@@ -20,7 +20,7 @@ from conftest import (
 import grpo_tools
 from common.data import Prompt, make_sequence, render
 from common.errors import InputError, RunError
-from common.tools import calculator, call_tool, tool_turn
+from common.tools import calculator, call_tool, call_tools, tool_turn
 
 TAG = re.compile(r"# TOOLS: \S")
 SMOL_TOOL_TURN = "\n<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -187,15 +187,16 @@ class ScriptedEngine:
         return out
 
 
-def episodes_with(monkeypatch, tokenizer, script, corrupt=None, **flags):
+def episodes_with(
+    monkeypatch, tokenizer, script, corrupt=None, fn=("calc", "", calculator), **flags
+):
     engine = ScriptedEngine(tokenizer, script, corrupt)
     monkeypatch.setattr(grpo_tools, "generate", engine)
     args = grpo_tools.Args(num_generations=2, **flags)
     prompt = render(tokenizer, [{"role": "user", "content": "What is 47 × 86?"}], gen_prompt=True)
     batch = [Prompt(prompt, "4042", "", 1)]
-    tool = ("calc", "", calculator)
     return (
-        grpo_tools.run_episodes([None], batch, 2, tool, tokenizer, args, draw="3"),
+        grpo_tools.run_episodes([None], batch, 2, fn, tokenizer, args, draw="3"),
         engine,
         prompt,
     )
@@ -371,3 +372,69 @@ def test_diff_to_grpo_is_within_its_budget_and_every_hunk_is_tagged():
     changed, untagged, _ = tagged_diff("grpo.py", "grpo_tools.py", TAG)
     assert 0 < changed <= 200, f"grpo_tools.py changes {changed} lines of grpo.py (budget 200)"
     assert not untagged, f"hunks without a `# TOOLS: ...` tag near grpo_tools.py lines {untagged}"
+
+
+def test_engines_decode_text_only_for_stop_strings():
+    """vLLM decodes every sampled token unless told not to: Engine.generate asks for text only
+    where a stop string needs it (grpo_tools.py's tool calls); the driver decodes what it reads."""
+    from types import SimpleNamespace
+
+    from common.engines import Engine
+
+    asked = []
+
+    def generate(requests, params, **kwargs):
+        asked.extend(params)
+        out = SimpleNamespace(
+            token_ids=[7], finish_reason="length", logprobs=[{7: SimpleNamespace(logprob=-1.0)}]
+        )
+        return [SimpleNamespace(outputs=[out] * p.n, prompt_token_ids=[1]) for p in params]
+
+    engine = Engine.__ray_actor_class__.__new__(Engine.__ray_actor_class__)
+    engine.llm, engine.adapter = SimpleNamespace(generate=generate), None
+    engine.generate([[1, 2]], 2, 1.0, 1.0, 4)
+    engine.generate([[1, 2]], 1, 1.0, 1.0, 4, seeds=[3])
+    assert [p.detokenize for p in asked] == [False, False]
+    asked.clear()
+    engine.generate([[1, 2]], 1, 1.0, 1.0, 4, stop=["</tool_call>"])
+    assert [(p.detokenize, p.stop) for p in asked] == [(True, ["</tool_call>"])]
+
+
+def test_a_turns_tool_calls_run_at_once_in_order_with_their_outputs():
+    """call_tools at once: calls that each wait for all the others (a barrier; as many as there
+    are cores, the threads call_tools starts) all return, in order; one at a time, they cannot."""
+    import threading
+
+    n = min(len(os.sched_getaffinity(0)), 4)
+    if n < 2:
+        pytest.skip("one core: the calls run one at a time anyway")
+    barrier, texts = threading.Barrier(n, timeout=2), [chr(97 + i) for i in range(n)]
+
+    def meet(text):
+        barrier.wait()
+        return text.upper()
+
+    assert call_tools(meet, texts, 10, at_once=True) == [t.upper() for t in texts]
+    barrier.reset()
+    assert call_tools(meet, texts, 10, at_once=False)[0] == "error: BrokenBarrierError: "
+
+
+def test_sandboxed_calls_at_once_give_the_episodes_one_at_a_time_gives(monkeypatch, tokenizer):
+    """--tool python: a turn's programs run together (a core each), and the episodes are the same
+    tokens as when they run one by one."""
+    from common import sandbox
+
+    script = [
+        ["<python>print(6*7)</python>", "42<EOS>"],
+        ["<python>print(2**10)</python>", "1<EOS>"],
+    ]
+    run = lambda code: sandbox.run_python(code, timeout=5.0)  # noqa: E731  (as grpo_tools.py's)
+    tool, seen = ("python", "", run), []
+    real = grpo_tools.call_tools
+    monkeypatch.setattr(grpo_tools, "call_tools", lambda *a: seen.append(a[3]) or real(*a))
+    together, _, _ = episodes_with(monkeypatch, tokenizer, script, fn=tool, tool="python")
+    monkeypatch.setattr(grpo_tools, "call_tools", lambda *a: seen.append(False) or real(*a[:3]))
+    alone, _, _ = episodes_with(monkeypatch, tokenizer, script, fn=tool, tool="python")
+    assert seen == [True, True, False, False]  # two turns a run (the second calls nothing)
+    assert "1024" in tokenizer.decode(together[1]["ids"]) and together[0]["tool_calls"] == 1
+    assert together == alone

@@ -134,6 +134,33 @@ def test_the_hybrid_engine_parks_idle_models_only_when_that_makes_it_fit(shapes)
     assert all("reward model" in parts for parts in resident.values()), resident.keys()
 
 
+def test_the_ema_and_a_mask_over_packed_rows_are_counted(shapes, tmp_path):
+    """--ema-beta: 4 B a parameter on each rank, between steps and while training, the policy's
+    only (ppo.py's critic has none). A model that keeps SDPA's mask over a packed row (a sliding
+    window, common/packed_attn.py): T x T compute-dtype bytes in every layer, one layer's with
+    checkpointing, none under ring attention; plainly causal models (Qwen2.5, Llama) keep none."""
+    s05 = shapes["Qwen2.5-0.5B"]
+    critic = memory_plan.shape("Qwen2.5-0.5B", "score")
+    base = Job(s05, 2, 8192, engines=1, engine_memory=0.4, colocate=True, critic=critic, critics=2)
+    for phase, parts in (p[1:] for p in memory.needs(replace(base, ema=True), H100)):
+        assert parts["EMA (fp32)"] == 4 * s05.params / 2, phase
+        assert not any(k.startswith("critic EMA") for k in parts), phase
+    assert not any("EMA (fp32)" in parts for *_, parts in memory.needs(base, H100))
+    assert not any(s.masked for s in shapes.values())
+    masked = replace(base, policy=replace(s05, masked=True), critic=None, critics=0)
+    for ckpt, sp, want in ((False, 1, 2 * 8192**2 * 24), (True, 1, 2 * 8192**2), (False, 2, None)):
+        job = replace(masked, checkpointing=ckpt, sp=sp)
+        busy = dict((phase, parts) for _, phase, parts in memory.needs(job, H100))
+        assert busy["training the policy"].get("packed-row masks") == want, (ckpt, sp)
+    from transformers import MistralConfig
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=100)
+    windowed = MistralConfig(
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=64, **small
+    )
+    assert memory.shape_of(windowed).masked
+
+
 def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model):
     """A script's own flags, on a (pretended) GPU: the plan's line is printed, and too small a GPU
     refuses it."""
@@ -152,6 +179,12 @@ def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model)
         memory.check_run(args, True, tiny_model, **script_values(args))
     assert memory.check_run(args, False, tiny_model, **script_values(args)) is False  # CPU: no plan
     assert capsys.readouterr().out == ""
+    planned = []
+    monkeypatch.setattr(memory, "check", lambda job, *a: planned.append(job) or (job, ""))
+    for beta in (0.0, 0.99):  # --ema-beta reaches the plan
+        args.ema_beta = beta
+        memory.check_run(args, True, tiny_model, **script_values(args))
+    assert [job.ema for job in planned] == [False, True]
 
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"])

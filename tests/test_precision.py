@@ -142,13 +142,14 @@ def one_micro_batch(module, weight: float) -> list[dict]:
 
 
 def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scaling_cannot_help(
-    one_rank_group, tiny_model
+    one_rank_group, tiny_model, tmp_path
 ):
     """grpo.py's trainer with --dtype float16, on CPU: FSDP2 computes in fp16 and keeps fp32
     master weights. A loss of ~1e-6 gives gradients that underflow to 0 in plain float16 (scale 1)
     and that the default scale 2^16 keeps, equal to fp32's to a few %. A scale so large that the
     gradients overflow skips the update (weights untouched) and halves the scale; the next steps go
-    on. The scale doubles after `interval` clean updates; an overflow at scale 1 stops the run."""
+    on. The scale doubles after `interval` clean updates; an overflow at scale 1 stops the run, a
+    non-finite loss at once. The scale is saved with the optimizer and resumed."""
     import grpo
 
     addr, port = one_rank_group
@@ -184,6 +185,22 @@ def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scalin
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     trainer.loss_scale.value = 2.0**10
     assert grpo.train_step(trainer, [one_micro_batch(grpo, 0.5)], 2)["grad_norms"] > 0
+    # a non-finite loss (the forward overflowed) stops at once, the scale untouched: not 16 halvings
+    with pytest.raises(FloatingPointError, match="non-finite loss in float16.*--dtype float32"):
+        grpo.train_step(trainer, [one_micro_batch(grpo, float("nan"))], 3)
+    assert trainer.loss_scale.value == 2.0**10
+    # the scale is in the checkpoint: a resumed float16 run goes on at it, not at 2^16 again
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.loss_scale.good = 7
+    trainer.save(str(tmp_path / "step_3"), 3, with_optimizer=True)
+    dist.destroy_process_group()
+    args = grpo.Args(dtype="float16", learning_rate=1e-3)
+    resumed = grpo.Trainer.__ray_actor_class__(
+        *grpo.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
+    )
+    assert resumed.loss_scale.value == 2.0**16
+    resumed.load_optimizer(str(tmp_path / "step_3"))
+    assert (resumed.loss_scale.value, resumed.loss_scale.good) == (2.0**10, 7)
 
     scale = precision.LossScale(torch.float16, scale=1.0, interval=2)
     assert not scale.skip(torch.tensor(1.0), 0) and scale.value == 1.0
@@ -235,3 +252,35 @@ def test_engine_memory_reaches_the_engines_on_cpu(monkeypatch, script):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     vllm_args = engines.engine_args("m", 0, "gloo", 1, 64, 0.25, None, "float32")
     assert vllm_args["kv_cache_memory_bytes"] == 2**28 and vllm_args["dtype"] == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kind,dtype,refused",
+    [
+        ("gemma2", "float16", True),
+        ("glm4", "float16", True),
+        ("gemma2", "bfloat16", False),
+        ("gemma2", "float32", False),
+        ("qwen2", "float16", False),
+    ],
+)
+def test_models_vllm_will_not_serve_in_float16_are_refused_before_anything_loads(
+    monkeypatch, tmp_path, kind, dtype, refused
+):
+    """vLLM refuses float16 for gemma2/gemma3/glm4: an RL script on a GPU says so in one line from
+    the model's config (memory.check_run, before the plan), not in an engine's start-up."""
+    import grpo
+
+    path = str(tmp_path / kind)
+    AutoConfig.for_model(kind, num_hidden_layers=2).save_pretrained(path)
+    args = grpo.Args(model=path, dtype=dtype)
+    monkeypatch.setattr(memory, "check", lambda job, *a: (job, "planned"))  # the plan: not here
+    monkeypatch.setattr(memory, "shape_of", lambda *a, **k: None)
+    call = lambda: memory.check_run(args, True, path, tokens=512, longest=64)  # noqa: E731
+    if refused:
+        with pytest.raises(SystemExit, match=f"^error: vLLM does not serve {kind} models in "):
+            call()
+    else:
+        call()
+    sft_args = grpo.Args(model=path, dtype=dtype, num_engines=0)  # no engines: not vLLM's concern
+    memory.check_run(sft_args, True, path, tokens=512)

@@ -42,7 +42,9 @@ BUDGET = {  # + the entropy hook; + composed rewards (--verifier-weight, rollout
     "ppo.py": 850,  # the policy's and the critic's update
     "dapo.py": 639,  # its rounds carry each group's reward terms
     "grpo_async.py": 676,  # its reward workers return the terms
-    "grpo_tools.py": 733,  # grpo.py + its tagged diff (its own budget: 200 changed lines)
+    # grpo.py + its tagged diff (its own budget: 200 changed lines); +3 on 2026-12-02: a turn's
+    # tool calls are made together (--tool python: the sandbox's a core each), the loop in 2 passes
+    "grpo_tools.py": 736,
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
@@ -126,12 +128,18 @@ def test_common_stays_small():
     # fp16 overflow was reported as an engine serving stale weights) took 7 lines: 3,511. Attention
     # over packed rows without a T x T mask (2026-12-02: common/packed_attn.py, 89 lines, and 3 in
     # the shell; the mask was ~97 % wasted work and T^2 bytes a layer at the GPU budgets): 3,603.
+    # The rest of that issue's GPU costs (2026-12-02), 79 lines: the memory plan counts the EMA and
+    # the mask models with sliding windows keep (C2), the LM head's weight gradient in 16-bit
+    # products with fp32 sums (C4), float16's non-finite loss stopping at once, its loss scale in
+    # the checkpoint, models vLLM will not serve in float16 refused up front (L1, L2, L6), the sync's
+    # time in parts (perf/sync_*), no detokenising where nothing reads text (L4): 3,682. The tools'
+    # own budget 220 -> 229 for a turn's tool calls made together (L3).
     tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
     weights = source(os.path.join("common", "weights.py")).count("\n")
-    assert tools <= 220, f"common/tools.py and sandbox.py have {tools} lines"
+    assert tools <= 229, f"common/tools.py and sandbox.py have {tools} lines"
     assert weights <= 200, f"common/weights.py has {weights} lines"
     rest = total - tools - weights
-    assert rest <= 3603, f"common/ has {rest} lines besides tools, sandbox and weights"
+    assert rest <= 3682, f"common/ has {rest} lines besides tools, sandbox and weights"
 
 
 @pytest.mark.parametrize("script", PRESENT)

@@ -156,7 +156,14 @@ def test_an_engine_left_asleep_is_named_not_waited_on(ray_cpu):
         SystemExit, match=r"^error: SleepyEngine#0 is still asleep after its wake-up$"
     ):
         sync_weights([trainer], [engine], colocated=True)
-    sync_weights([trainer], [engine], colocated=False)  # apart: no sleep, no wake-up
+    synced = sync_weights([trainer], [engine], colocated=False)  # apart: no sleep, no wake-up
+    times = ("wake_s", "transfer_s", "probe_s")  # where a sync's time goes, logged every step
+    assert set(synced) == {
+        "perf/sync_bytes",
+        "perf/sync_probe_gap",
+        *(f"perf/sync_{t}" for t in times),
+    }
+    assert all(synced[f"perf/sync_{t}"] >= 0 for t in times)
 
 
 # GPU tier: the same check over nccl (trainer and engine on separate GPUs) and over CUDA IPC
