@@ -8,6 +8,7 @@ without repeating K/V), else by one SDPA call per sequence (exact). Padding mask
 batches get SDPA's mask as before. docs/benchmarks.md has the figures."""
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +29,9 @@ def needs_mask(config) -> bool:
 
 
 def enable(config) -> str:
-    """PACKED for a model whose every layer is plainly causal, else "sdpa". Registers the two
-    functions (once per process)."""
-    if needs_mask(config):
+    """PACKED for a model whose every layer is plainly causal, else "sdpa" (also with the switch
+    POSTTRAIN_PACKED_ATTENTION=0: SDPA's mask as before). Registers the two functions."""
+    if needs_mask(config) or os.environ.get("POSTTRAIN_PACKED_ATTENTION") == "0":
         return "sdpa"
     AttentionInterface.register(PACKED, packed_attention_forward)
     AttentionMaskInterface.register(PACKED, packed_mask)

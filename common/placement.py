@@ -75,6 +75,7 @@ def init_ray(num_bundles: int = 0) -> None:
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     env = {"PYTHONPATH": pythonpath, **quiet, "TRANSFORMERS_VERBOSITY": "error"}
     env.update([lifetime.mark_run().split("=", 1)])  # every process of the run: its marker
+    env |= {k: v for k, v in os.environ.items() if k.startswith("POSTTRAIN_")}  # the switches too
     opts = dict(runtime_env={"env_vars": env}, logging_level="ERROR")
     if "RAY_ADDRESS" in os.environ:  # a cluster, joined on purpose
         where = f"the Ray cluster at {os.environ['RAY_ADDRESS']} ($RAY_ADDRESS)"

@@ -110,8 +110,10 @@ def test_cuts_are_where_positions_restart():
         (Gemma2Config(), "sdpa"),  # sliding layers and logit softcapping
     ],
 )
-def test_only_plainly_causal_models_skip_the_mask(config, want):
+def test_only_plainly_causal_models_skip_the_mask(config, want, monkeypatch):
     assert packed_attn.enable(config) == want
+    monkeypatch.setenv("POSTTRAIN_PACKED_ATTENTION", "0")  # the switch back to SDPA's mask
+    assert packed_attn.enable(config) == "sdpa"
 
 
 @pytest.mark.gpu
