@@ -17,7 +17,7 @@ from common.placement import Slot, wait_all, wait_started
 #     VLLM_LOGGING_CONFIG_PATH= VLLM_LOGGING_LEVEL=INFO python grpo.py ...
 LOGGING_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_logging.json")
 QUIET = {"VLLM_LOGGING_CONFIG_PATH": LOGGING_CONFIG, "PYTHONWARNINGS": "ignore::FutureWarning"}
-# Both: the engine core in the actor's process (fast, no /dev/shm); vLLM and torch quiet
+# The engine core in the actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=1: its own); quiet
 GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 CPU_ENV = {**GPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores the trainers use
            "OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # in turns: all cores each  # fmt: skip

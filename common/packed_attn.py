@@ -7,7 +7,6 @@ each sequence attends causally to itself: on CUDA in 16 bits by torch's flash va
 without repeating K/V), else by one SDPA call per sequence (exact). Padding masks, KV caches and
 batches get SDPA's mask as before. docs/benchmarks.md has the figures."""
 
-import functools
 import os
 
 import torch
@@ -62,12 +61,6 @@ def cuts(position_ids: torch.Tensor) -> tuple[list[int], torch.Tensor, int]:
     return _last[1]
 
 
-@functools.cache
-def flash(device) -> bool:
-    """torch's flash kernels run on Ampere and newer GPUs (a T4 takes the per-sequence path)."""
-    return torch.cuda.get_device_capability(device)[0] >= 8
-
-
 def packed_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """For AttentionInterface: query (B, H, T, D), k/v (B, Hkv, S, D) -> ((B, T, H, D), None)."""
     position_ids = kwargs.get("position_ids")
@@ -78,7 +71,8 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
             module, query, key, value, attention_mask, scaling=scaling, **kwargs
         )
     bounds, cu, longest = cuts(position_ids)
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash(query.device):
+    half = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    if half and torch.cuda.get_device_capability(query.device)[0] >= 8:  # flash: Ampere and newer
         from torch.nn.attention.varlen import varlen_attn
 
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
