@@ -1,13 +1,13 @@
 """The memory plan: what each GPU of a job must hold, checked before anything starts. Per parameter
 a trainer rank holds (FSDP2-sharded) fp32 weights (4 B), gradients (4 B, freed after each step) and
-AdamW's moments (8 B); a frozen reference 4 B. While computing it adds compute-dtype copies (2 B;
-fp32 4 B) of two decoder layers and the root, their gradients, activations and the LM head's chunk.
-Engines take their --engine-memory share; a reward model is whole; each process adds a CUDA context.
-LoRA: a frozen compute-dtype base (also π_ref) + 16 B per adapter parameter. --ema-beta: fp32
-shards of θ_ema (4 B; on --resume its checkpoint's copy is loaded first, 4 B more for a moment,
-before AdamW's state: below the training peak). A model that needs SDPA's mask over a packed row
-(sliding windows, softcaps: common/packed_attn.py) keeps a T x T bias per layer for the backward.
-All lower bounds: a plan that fits is never refused (docs/cluster.md)."""
+AdamW's moments (8 B); a frozen reference (or distill.py's teacher, per its parameter) 4 B. While
+computing it adds compute-dtype copies (2 B; fp32 4 B) of two decoder layers and the root, their
+gradients, activations and the LM head's chunk. Engines take their --engine-memory share; a reward
+model is whole; each process adds a CUDA context. LoRA: a frozen compute-dtype base (also π_ref) +
+16 B per adapter parameter. --ema-beta: fp32 shards of θ_ema (4 B; on --resume its checkpoint's
+copy is loaded first, 4 B more for a moment, before AdamW's state: below the training peak). A model
+that needs SDPA's mask over a packed row (sliding windows, softcaps: common/packed_attn.py) keeps a
+T x T bias per layer for the backward. All lower bounds: a plan that fits is never refused."""
 
 import copy
 import math
@@ -92,6 +92,7 @@ class Job:
     offload: bool = False  # colocated ppo.py: critic and reward model wait in host RAM when idle
     dtype: str = "bfloat16"  # the compute dtype (--dtype as chosen): 2 B per value, float32 4 B
     ema: bool = False  # --ema-beta: fp32 shards of θ_ema beside θ's
+    teacher: Shape | None = None  # a frozen other model on the trainer ranks (distill.py)
 
 
 def trainer(s: Shape, ranks, tokens, ckpt: bool, lm_head: float, dtype: str, ema=False, sp=1):
@@ -121,6 +122,7 @@ def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
     policy = job.policy, job.trainers, tokens, ckpt, job.lm_head, job.dtype, job.ema, job.sp
     idle, busy = trainer(*policy)
     ref = {"reference": 4 * job.policy.params / job.trainers} if job.reference else {}
+    ref |= {"teacher": 4 * job.teacher.params / job.trainers} if job.teacher else {}
     engine = {"vLLM (weights + KV cache)": job.engine_memory * capacity} if job.engines else {}
     parts = ({}, {})
     if job.critic:
@@ -209,11 +211,12 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
 
 def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, reward_model=None,
               *, tokens: int, longest=0, top_p=1.0, colocate=False, critics=0, head="lm",
-              entropy=False) -> bool:  # fmt: skip
+              entropy=False, teacher=None) -> bool:  # fmt: skip
     """GPU: plan a run (model folders), print the plan, refuse it if it cannot fit; return whether
     idle models are offloaded. `flags`: the run's flag groups; the script's by keyword (tokens:
-    --max-tokens-per-micro-batch; longest: prompt + response; entropy: H_t, a head chunk more). CPU:
-    each engine's KV cache holds a prompt + response (else vLLM won't start), and all fit in RAM."""
+    --max-tokens-per-micro-batch; longest: prompt + response; entropy: H_t, a head chunk more;
+    teacher: distill.py's frozen model's folder). CPU: each engine's KV cache holds a prompt +
+    response (else vLLM won't start), and all fit in RAM."""
     engines = flags.num_engines if isinstance(flags, Engines) else 0
     if not use_gpu and engines:
         shape = shape_of(policy)
@@ -248,7 +251,7 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
             critic=shape_of(critic, "score", (rank, targets)) if critic else None,
             reward_model=shape_of(reward_model, "score") if reward_model else None,
             dtype=flags.dtype if flags.dtype in BYTES else "bfloat16",  # "auto": 2 B, as bf16
-            ema=getattr(flags, "ema_beta", 0) > 0,
+            ema=getattr(flags, "ema_beta", 0) > 0, teacher=shape_of(teacher) if teacher else None,
         )  # fmt: skip
 
     # one GPU's bytes: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else unknown

@@ -100,7 +100,7 @@ class Trainer:
         paths[0] (the model, or the checkpoint to resume); paths[1]: the start model (π_ref, LoRA's
         base). `settings`, by name: seed, sp_size, dtype, gradient_checkpointing, lora (lora.spec),
         optimizer, ema (β_ema), weight_decay, max_grad_norm, the schedule (lr_at: learning_rate,
-        warmup_steps, num_steps, min_lr_ratio), frozen ([] or ["ref_logprobs"]), colocate (an engine
+        warmup_steps, num_steps, min_lr_ratio), frozen (names, (name, folder)s), colocate (an engine
         shares this GPU), offload (the model waits in host RAM between calls). `args`: the flags."""
         s = self.settings = settings
         self.args, self.rank, self.world_size = args, rank, world
@@ -111,8 +111,10 @@ class Trainer:
         self.model = load(paths[0], self.device, s["gradient_checkpointing"], adapters, s["dtype"])
         self.sp = sp_groups(world, s["sp_size"])  # DP x SP: ranks [k*sp, (k+1)*sp) share shard k
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
-        # π_ref: a frozen copy of the start model (also on --resume), named by the values it gives
-        self.frozen = {name: self.frozen_model(load, paths[1], adapters) for name in s["frozen"]}
+        # π_ref: a frozen copy of the start model (also on --resume), named by the values it gives;
+        # (name, folder): a frozen other model (distill.py's teacher; folder None: the start model)
+        frozen = [f if isinstance(f, tuple) else (f, None) for f in s["frozen"]]
+        self.frozen = {n: self.frozen_model(load, p, paths[1], adapters) for n, p in frozen}
         lr, decay = s["learning_rate"], s["weight_decay"]  # LoRA: only the adapters are trained
         self.optimizer = weights.make_optimizer(self.model, s.get("optimizer", "adamw"), lr, decay)
         self.ema = s.get("ema") and weights.ema_start(  # θ_ema: this rank's shards of it
@@ -120,10 +122,10 @@ class Trainer:
         self.loss_scale = LossScale(compute_dtype(self.device, s["dtype"]))  # float16 only
         self.on_gpu(False)
 
-    def frozen_model(self, load, path: str, adapters):
-        if adapters:  # the policy with its adapters off: no second copy
+    def frozen_model(self, load, path: str | None, start: str, adapters):
+        if adapters and path is None:  # the start: the policy with its adapters off, no second copy
             return lora.Disabled(self.model)
-        frozen = load(path, self.device, False, None, self.settings["dtype"])
+        frozen = load(path or start, self.device, False, None, self.settings["dtype"])
         enable_ring_attention(frozen.eval().requires_grad_(False), self.sp.group)
         return frozen
 

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from common import placement
 from common.errors import parse_args
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
-RL = ["grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
+RL = ["grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 GOOD_ROW = {
     "sft": {"prompt": "What is 1 + 1?", "completion": "2"},
     "rm": {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"},

@@ -20,7 +20,7 @@ from common import trainer as common_model
 from common.data import split_for_ranks
 from common.packed_attn import PACKED
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 
 
 def docstring_commands(module) -> list[list[str]]:

@@ -187,7 +187,9 @@ def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model)
     assert [job.ema for job in planned] == [False, True]
 
 
-@pytest.mark.parametrize("name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async"])
+@pytest.mark.parametrize(
+    "name", ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "distill"]
+)
 def test_every_script_is_planned_from_its_own_defaults(monkeypatch, capsys, tiny_model, name):
     """Each script's prepare_inputs, on its defaults as validate_args leaves them, plans its run on
     a (pretended) 80 GB GPU: the GPU path the CPU never takes, with the values the script passes

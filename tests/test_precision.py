@@ -19,7 +19,7 @@ from benchmark import memory_plan
 from common import lora, memory, placement, precision
 from common.data import split_for_ranks
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools"]
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 GPUS = {  # name, compute capability
     "H100": ("NVIDIA H100 80GB HBM3", (9, 0)), "A100": ("NVIDIA A100-SXM4-80GB", (8, 0)),
     "L4": ("NVIDIA L4", (8, 9)), "T4": ("Tesla T4", (7, 5)), "V100": ("Tesla V100-SXM2-16GB", (7, 0)),
