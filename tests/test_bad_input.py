@@ -827,8 +827,8 @@ def test_colocate_on_grpo_async_says_why_and_where_it_is():
                              text=True, timeout=120)  # fmt: skip
         assert out.returncode == 1 and out.stderr.strip() == (
             f"error: no flag {flag} in grpo_async.py: the engines generate while the trainers "
-            f"train, so they cannot share GPUs; grpo.py, dapo.py, grpo_tools.py, ppo.py have it "
-            f"(python grpo.py {flag})"
+            f"train, so they cannot share GPUs; grpo.py, dapo.py, distill.py, grpo_tools.py, "
+            f"ppo.py have it (python grpo.py {flag})"
         )
 
 

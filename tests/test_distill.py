@@ -224,8 +224,9 @@ def test_a_teacher_model_with_ring_attention_and_one_sample(
     result = run_script("distill.py", *distill_args(tiny_model, tmp_path / "runs", *extra))
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))
-    # two different random models: the teacher finds the student's tokens unlikely, far from 0
-    assert row["train/reverse_kl"] > 0.1 and row["train/grad_norm"] > 0
+    # two different random models: far from the ~1e-6 a teacher scoring with the student's own
+    # weights would give (0.055 measured; k1 on sampled tokens, whose mean is the KL)
+    assert row["train/reverse_kl"] > 0.01 and row["train/grad_norm"] > 0
     assert "eval/teacher_accuracy" not in row
 
 
