@@ -188,7 +188,7 @@ def teacher_prompt(prompt, tokenizer, args: Args) -> list[int]:  # DISTILL (teac
     default) with the reference answer before the question, in its text or last message."""
     if args.teacher_prompt == "same" or (args.teacher_prompt == "auto" and args.teacher):
         return prompt.ids
-    hint, text = f"(The correct final answer is {prompt.answer}.)\n", prompt.text
+    hint, text = f"Reference answer: {prompt.answer}\n", prompt.text
     last = {**text[-1], "content": hint + text[-1]["content"]} if isinstance(text, list) else None
     return data.encode_prompt(tokenizer, [*text[:-1], last] if last else hint + text)
 
