@@ -96,8 +96,8 @@ def _run(code, how, drop, timeout, memory_mb, max_output, max_procs) -> str:
             p = subprocess.Popen([*argv, *map(str, limits)], cwd=tmp, env=ENV,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        except OSError as e:  # a wrapper gone; code too long for an argument
-            return f"error: could not start python ({e.strerror})"
+        except (OSError, ValueError) as e:  # a wrapper gone; too long, a NUL, a lone surrogate
+            return f"error: could not start python ({getattr(e, 'strerror', None) or e})"
         deadline, ready = time.monotonic() + timeout, select.poll()  # select(): fds < 1024 only
         ready.register(fd := p.stdout.fileno(), select.POLLIN)
         try:

@@ -234,6 +234,8 @@ def test_exact_output(code, out):
         ("1 / 0", "ZeroDivisionError"),
         ("import sys; sys.stdout.close(); print(1)", "ValueError"),
         ("x = 1  # " + "x" * 200_000, "error: could not start python"),  # over an argument's size
+        ("print(1)\0", "error: could not start python (embedded null byte)"),
+        ("print('\ud800')", "error: could not start python ('utf-8' codec can't encode"),
     ],
 )
 def test_never_raises(code, part):
