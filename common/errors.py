@@ -56,6 +56,27 @@ def check_ranges(args) -> None:
                 raise InputError(f"{flag} must be {rule} (got {value})")
 
 
+def join_repeats(argv: list[str], lists: set[str]) -> list[str]:
+    """A list-valued flag given twice takes both: `--f a --f=b c` -> `--f a b c` (argparse: c)."""
+    runs, first = [], {}  # each flag with the values after it; the first run of each list flag
+    for arg in argv:
+        if arg.startswith("--") or not runs:
+            runs.append([arg])
+        else:
+            runs[-1].append(arg)
+    for run in runs:
+        flag, eq, value = run[0].partition("=")
+        if flag in lists:
+            values = ([value] if eq else []) + run[1:]
+            if flag in first:
+                first[flag] += values
+                run.clear()
+            else:
+                run[:] = [flag, *values]
+                first[flag] = run
+    return [arg for run in runs for arg in run]
+
+
 def parse_args(args_cls, argv: list[str] | None = None):
     """tyro.cli, but one `error:` line (exit 1) where tyro prints a box and exits 2: a flag not in
     Args (no_flag), no value, a non-number. --help shows ranges; --resume keeps the run's flags."""
@@ -68,6 +89,8 @@ def parse_args(args_cls, argv: list[str] | None = None):
     hints = typing.get_type_hints(args_cls)
     kinds = {"--" + f.name.replace("_", "-"): hints[f.name] for f in dataclasses.fields(args_cls)}
     kinds |= {"--no-" + flag[2:]: bool for flag, kind in kinds.items() if kind is bool}
+    lists = {flag for flag, kind in kinds.items() if typing.get_origin(kind) in (tuple, list)}
+    argv = join_repeats(argv, lists)
     for i, arg in enumerate(argv, 1):  # argv[i]: the one after arg
         flag, eq, value = arg.partition("=")
         if not flag.startswith("--") or flag == "--help":

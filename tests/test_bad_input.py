@@ -704,6 +704,35 @@ def test_reward_terms_that_cannot_compose(run, tmp_path, name, terms, expected):
     assert message.startswith(f"error: --reward-fn {path}:") and expected in message, message
 
 
+@pytest.mark.parametrize("name", RL)
+def test_a_list_flag_given_twice_takes_every_value(name):
+    """`--reward-fn a --reward-fn b` as other command lines write a list: both terms (argparse alone
+    kept the last, silently)."""
+    module = importlib.import_module(name)
+    argv = [
+        "--reward-fn",
+        "a.py:f",
+        "--seed",
+        "2",
+        "--reward-fn=b.py:g",
+        "c.py:h",
+        "--reward-fn",
+        "d.py:i",
+    ]
+    args = parse_args(module.Args, argv)
+    assert args.reward_fn == ("a.py:f", "b.py:g", "c.py:h", "d.py:i") and args.seed == 2
+
+
+def test_a_repeated_reward_fn_is_read_whole_in_a_real_process(tmp_path):
+    """The earlier occurrence is not dropped: its missing function stops the run before it starts."""
+    path = tmp_path / "my_reward.py"
+    path.write_text("def my_reward(response, answer):\n    return 1.0\n")
+    argv = [sys.executable, "grpo.py", "--reward-fn", f"{path}:missing", "--reward-fn", f"{path}:my_reward",
+            "--output-dir", str(tmp_path / "runs")]  # fmt: skip
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1 and out.stderr.strip() == f"error: {path} has no function 'missing'"
+
+
 # ---- the peer-derived wrong numbers ----
 
 

@@ -139,12 +139,14 @@ def test_common_stays_small():
     # time in parts (perf/sync_*), no detokenising where nothing reads text (L4): 3,682. The tools'
     # own budget 220 -> 229 for a turn's tool calls made together (L3). distill.py (2026-12-02): the
     # shell holds a frozen model of another folder, (name, folder), and the plan counts it: 3,683.
+    # A list-valued flag given twice takes both (2026-12-03: `--reward-fn a --reward-fn b` ran with
+    # b alone, silently; join_repeats in errors.py, 23 lines): 3,706.
     tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
     weights = source(os.path.join("common", "weights.py")).count("\n")
     assert tools <= 229, f"common/tools.py and sandbox.py have {tools} lines"
     assert weights <= 200, f"common/weights.py has {weights} lines"
     rest = total - tools - weights
-    assert rest <= 3683, f"common/ has {rest} lines besides tools, sandbox and weights"
+    assert rest <= 3706, f"common/ has {rest} lines besides tools, sandbox and weights"
 
 
 @pytest.mark.parametrize("script", PRESENT)
