@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -59,12 +60,11 @@ def staged(path: str, step: int, **info):
             for name in files:
                 with open(os.path.join(root, name), "rb") as f:
                     os.fsync(f.fileno())
-        old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
-        if os.path.exists(path):  # a re-save (final after --resume): the rename must not fail
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):  # a re-save (best; final after --resume): one whole at any time
+            exchange(tmp, path)
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old one
+        else:
+            os.replace(tmp, path)
     except BaseException as e:
         free = shutil.disk_usage(os.path.dirname(path)).free  # checkpoints/: there, unlike tmp
         lifetime.after_end(lambda: shutil.rmtree(tmp, ignore_errors=True))
@@ -75,6 +75,20 @@ def staged(path: str, step: int, **info):
                            "free): the partial checkpoint is removed; the newest whole one stays "
                            "resumable") from None  # fmt: skip
         raise
+
+
+def exchange(new: str, path: str) -> None:
+    """Folder `new` to `path`, path's old folder to `new`, in one step (Linux's renameat2 with
+    RENAME_EXCHANGE); where the file system cannot (NFS), by renames through .<name>.old, which a
+    kill between them leaves for the next start to put back (tracking.clean_checkpoints)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 and renameat2(-100, os.fsencode(new), -100, os.fsencode(path), 2) == 0:
+        return  # -100: paths from the working directory; 2: RENAME_EXCHANGE
+    old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(path, old)
+    os.replace(new, path)
+    os.replace(old, new)
 
 
 def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str, int] | None:

@@ -26,6 +26,17 @@ from common.errors import InputError
 _LOCKS: dict[str, int] = {}  # run dir -> the open lock file this process holds until it exits
 
 
+def clean_checkpoints(folder: str) -> None:
+    """What a killed save left: its partial folder goes; a folder a kill left only as .<name>.old
+    (checkpoint.exchange's renames, where the file system cannot swap) is put back."""
+    for name in os.listdir(folder):
+        path, whole = os.path.join(folder, name), os.path.join(folder, name[1:-4])
+        if name[0] == "." and name.endswith(".old") and not os.path.exists(whole):
+            os.replace(path, whole)
+        elif name.endswith((".partial", ".old")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class Run:
     """Owns the run directory; logs each metric row to console, metrics.jsonl, (--track) wandb."""
 
@@ -43,9 +54,7 @@ class Run:
                     rows = [json.loads(line) for line in f if line.strip()]
                 with open(os.path.join(self.dir, name), "w") as f:
                     f.writelines(_json_line(r) for r in rows if r.get("step", 0) <= resume_step)
-            for name in os.listdir(os.path.join(self.dir, "checkpoints")):  # a killed save's
-                if name.endswith((".partial", ".old")):
-                    shutil.rmtree(os.path.join(self.dir, "checkpoints", name), ignore_errors=True)
+            clean_checkpoints(os.path.join(self.dir, "checkpoints"))
         config = {"args": dataclasses.asdict(args), "script": os.path.basename(sys.argv[0]),
                   "argv": sys.argv, **_provenance()}  # fmt: skip
         name = "config.json" if not resume_step else f"config.resume_{resume_step}.json"

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import shutil
 from typing import Annotated, Literal
 
 import torch
@@ -178,8 +177,8 @@ def ema_weights(trainers: list, sync=None, on: bool = True):
 # ---- --best-metric ----
 def keep_best(args, run, metrics: dict, step: int, trainers: list) -> None:
     """An evaluation better than checkpoints/best's (its checkpoint.json) replaces it by the
-    trainers' weights (θ_ema in ema/ with --ema-beta). One copy: the old one goes first, so a kill
-    while the new one is written leaves none, and the next evaluation writes it again."""
+    trainers' weights (θ_ema in ema/ with --ema-beta), swapped in whole (checkpoint.staged): a
+    kill at any moment leaves the old best or the new one."""
     if not args.best_metric or not any(k.startswith("eval/") for k in metrics):
         return
     if (value := metrics.get(args.best_metric)) is None:
@@ -194,7 +193,6 @@ def keep_best(args, run, metrics: dict, step: int, trainers: list) -> None:
     worse = held is not None and (value <= held if args.best_mode == "max" else value >= held)
     if worse or value != value:  # a tie keeps the earlier one; NaN is never the best
         return
-    shutil.rmtree(path, ignore_errors=True)
     with staged(path, step, metric=args.best_metric, value=value) as folder:
         call(trainers, "save", folder, step, False)
     run.print(f"best: {args.best_metric} {value:.4g} at step {step}, in checkpoints/best")

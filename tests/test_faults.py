@@ -5,6 +5,7 @@ call_reward, common/errors.py's RunError, common/placement.py's wait_all; their 
 check is tested in test_gpu_paths-style, in-process, below.)"""
 
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -383,6 +384,69 @@ def test_a_checkpoint_killed_while_it_is_written_is_absent_not_partial(tmp_path,
     assert not step_2.exists() and (run_dir / "checkpoints" / ".step_2.partial").is_dir()
     with pytest.raises(SystemExit, match="has no checkpoint to resume from"):
         checkpoint.find_checkpoint(str(run_dir))  # the partial one is not taken for a checkpoint
+
+
+# keep_best (the trainers' save a stub writing one file) replaces checkpoints/best, step 1's, by
+# step 2's in a forked child that SIGKILLs itself at its k-th file-system call (an audit event:
+# open, rename, rmtree, the renameat2 call...), for k = 1, 2, ... until one replacement completes;
+# "rename" takes away renameat2, as on file systems that cannot swap (NFS). Prints [k, status].
+REPLACE_BEST = """
+import json, os, signal, sys, types
+from common import checkpoint, weights
+root, how = sys.argv[1], sys.argv[2]
+if how == "rename":
+    checkpoint.ctypes = types.SimpleNamespace(CDLL=lambda *a, **kw: object())
+def save(trainers, method, folder, step, with_optimizer):
+    with open(os.path.join(folder, "weights"), "w") as f:
+        f.write(f"step {step} " * 1000)
+weights.call = save
+args = types.SimpleNamespace(best_metric="eval/accuracy", best_mode="max")
+def hook(event, _):
+    global seen
+    seen += event.startswith(("open", "os.", "shutil.", "ctypes.call"))
+    if seen == k:
+        os.kill(os.getpid(), signal.SIGKILL)
+for k in range(1, 200):
+    best = os.path.join(root, f"kill_{k}", "checkpoints", "best")
+    os.makedirs(best)
+    save(None, "save", best, 1, False)
+    with open(os.path.join(best, "checkpoint.json"), "w") as f:
+        json.dump({"step": 1, "metric": "eval/accuracy", "value": 0.5}, f)
+    if (pid := os.fork()) == 0:
+        seen = 0
+        sys.addaudithook(hook)
+        run = types.SimpleNamespace(checkpoint_dir=lambda name: best, print=print)
+        weights.keep_best(args, run, {"eval/accuracy": 0.9}, 2, [])
+        os._exit(0)
+    status = os.waitpid(pid, 0)[1]
+    print(json.dumps([k, status]), flush=True)
+    if status == 0:
+        break
+"""
+
+
+@pytest.mark.parametrize("how", ["swap", "rename"])
+def test_best_replaced_is_whole_at_every_moment_of_a_kill(tmp_path, how):
+    """keep_best replaces checkpoints/best in place: a SIGKILL at any moment leaves step 1's whole
+    best or step 2's, never none (at once where the file system swaps; put back by the next start
+    where it cannot). final/ re-saved after --resume goes through the same staged()."""
+    from common.tracking import clean_checkpoints
+
+    out = subprocess.run([sys.executable, "-c", REPLACE_BEST, str(tmp_path), how], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+    steps = set()
+    for k, status in results:
+        folder = tmp_path / f"kill_{k}" / "checkpoints"
+        if how == "rename":
+            clean_checkpoints(str(folder))  # what the next start (--resume) does first
+        step = json.loads((folder / "best" / "checkpoint.json").read_text())["step"]
+        assert (folder / "best" / "weights").read_text() == f"step {step} " * 1000, k
+        assert how == "swap" or os.listdir(folder) == ["best"], (k, os.listdir(folder))
+        assert status == (0 if k == len(results) else signal.SIGKILL), (k, status)
+        steps.add(step)
+    assert step == 2 and steps == {1, 2} and len(results) > 5, (results, steps)
 
 
 def test_metrics_files_are_strict_json(tmp_path):
