@@ -52,7 +52,7 @@ from common.placement import call
 from common.precision import choose_dtype
 from common.prompts import encode_prompts, read_prompts
 from common.rewards import composed_reward, reward_terms, score_responses
-from common.tools import calculator, call_tools, tool_turn  # TOOLS: common/tools.py
+from common.tools import calculator, call_tools, clip_output, tool_turn  # TOOLS: common/tools.py
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
@@ -243,9 +243,9 @@ def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, dra
         at_once = args.tool == "python"  # the sandbox's calls together, a core each
         outputs = call_tools(fn, [c for _, c, _ in calls], args.tool_timeout + 1, at_once)
         for (e, _, left), output in zip(calls, outputs):
-            episode, output = episodes[e], output[: args.max_tool_output]
+            episode, (output, failed) = episodes[e], clip_output(output, args.max_tool_output)
             episode["tool_calls"] += 1
-            episode["tool_errors"] += output.startswith("error")
+            episode["tool_errors"] += failed
             # the turn's end (EOS, unless a stop string ended it) and the tool turn: context only
             glue = [eos] * (episode["final"][-1:] != [eos]) + tool_turn(tokenizer, output)
             if len(glue) >= left:  # no room left for an answer

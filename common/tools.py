@@ -5,6 +5,7 @@ import ast
 import contextlib
 import operator
 import os
+import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,6 +53,20 @@ def call_tools(fn, texts: list[str], timeout: float, at_once: bool = False) -> l
         return [call_tool(fn, text, timeout) for text in texts]
     with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:  # time_limit: main thread only
         return list(pool.map(lambda text: call_tool(fn, text, None), texts))
+
+
+# The sandbox's last line when the program did not end well (common/sandbox.py's note)
+ENDED = re.compile(r"exit status \d+|error: (timed out after|killed by signal) .*")
+
+
+def clip_output(output: str, limit: int) -> tuple[str, bool]:
+    """(at most `limit` characters of a tool's output for the model, the sandbox's note on how the
+    program ended kept whole; whether the call failed: an error, a traceback's exit status)."""
+    head, _, last = output.rpartition("\n")
+    if not ENDED.fullmatch(last):
+        return output[:limit], output.startswith("error")
+    head = head[: max(0, limit - len(last) - 1)]
+    return (head + "\n" if head else "") + last, True
 
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

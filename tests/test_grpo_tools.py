@@ -20,7 +20,7 @@ from conftest import (
 import grpo_tools
 from common.data import Prompt, make_sequence, render
 from common.errors import InputError, RunError
-from common.tools import calculator, call_tool, call_tools, tool_turn
+from common.tools import calculator, call_tool, call_tools, clip_output, tool_turn
 
 TAG = re.compile(r"# TOOLS: \S")
 SMOL_TOOL_TURN = "\n<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -298,6 +298,26 @@ def test_a_tools_failure_or_hang_is_its_output(tmp_path):
     assert call_tool(boom, "x", 5) == "error: KeyError: 'x'"
     assert call_tool(hang, "x", 0.5) == "error: the tool did not return within 0.5 s"
     assert call_tool(lambda text: 42, "x", 5) == "42"
+
+
+def test_a_cut_output_keeps_how_the_program_ended_and_failures_are_counted():
+    """--max-tool-output keeps the sandbox's last line (a time-out, a signal, an exit status) and a
+    traceback's exit status counts as a tool error, as an `error:` output does."""
+    assert clip_output("42\n", 200) == ("42\n", False)
+    assert clip_output("error: ZeroDivisionError: division by zero", 10) == ("error: Zer", True)
+    text, failed = clip_output("x" * 500 + "\nerror: timed out after 5 s", 100)
+    assert failed and len(text) == 100 and text == "x" * 73 + "\nerror: timed out after 5 s"
+    assert clip_output("exit status 1", 5) == ("exit status 1", True)  # the note whole, even so
+    assert (
+        clip_output("the answer: exit status 1 or 2", 200)[1] is False
+    )  # a line that only looks so
+    from common import sandbox
+
+    text, failed = clip_output(sandbox.run_python("1 / 0"), 200)
+    assert failed and "ZeroDivisionError" in text and text.endswith("exit status 1")
+    slow = sandbox.run_python("print('x' * 300, flush=True)\nimport time\ntime.sleep(5)", timeout=1)
+    text, failed = clip_output(slow, 100)
+    assert failed and len(text) <= 100 and text.endswith("\nerror: timed out after 1 s"), text
 
 
 def test_parse_call_reads_both_formats():

@@ -142,10 +142,12 @@ def test_common_stays_small():
     # A list-valued flag given twice takes both (2026-12-03: `--reward-fn a --reward-fn b` ran with
     # b alone, silently; join_repeats in errors.py, 23 lines): 3,706. checkpoints/best (and final/
     # re-saved after --resume) swapped in by renameat2's exchange, with the renames' fallback put
-    # back at the next start (2026-12-03: a kill while best was replaced left none): 3,729.
+    # back at the next start (2026-12-03: a kill while best was replaced left none): 3,729. The
+    # tools' budget 229 -> 244 for clip_output (2026-12-03: --max-tool-output cut the sandbox's
+    # time-out note away, and a traceback's exit status did not count in rollout/tool_errors).
     tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
     weights = source(os.path.join("common", "weights.py")).count("\n")
-    assert tools <= 229, f"common/tools.py and sandbox.py have {tools} lines"
+    assert tools <= 244, f"common/tools.py and sandbox.py have {tools} lines"
     assert weights <= 200, f"common/weights.py has {weights} lines"
     rest = total - tools - weights
     assert rest <= 3729, f"common/ has {rest} lines besides tools, sandbox and weights"
