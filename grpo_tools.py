@@ -52,7 +52,7 @@ from common.placement import call
 from common.precision import choose_dtype
 from common.prompts import encode_prompts, read_prompts
 from common.rewards import composed_reward, reward_terms, score_responses
-from common.tools import calculator, call_tools, clip_output, tool_turn  # TOOLS: common/tools.py
+from common.tools import Episode, calculator, call_tools, clip_output, tool_turn  # TOOLS: the tools
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
@@ -215,8 +215,8 @@ def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, dra
     (name, _, fn), limit, eos = tool, args.max_response_length, tokenizer.eos_token_id
     stop = STOP[args.tool_format].format(name=name)
     counts = dict(turns=0, tool_calls=0, tool_errors=0, tool_tokens=0)
-    episodes = [dict(ids=list(p.ids), start=len(p.ids), trained=[], logprobs=[], **counts)
-                for p in batch for _ in range(n)]  # fmt: skip
+    episodes = [dict(ids=list(p.ids), start=len(p.ids), trained=[], logprobs=[], messages=[],
+                     **counts) for p in batch for _ in range(n)]  # fmt: skip
     live, temperature = list(range(len(episodes))), 0.0 if draw is None else args.temperature
     for turn in range(args.max_turns):
         sent = [list(episodes[e]["ids"]) for e in live]
@@ -235,8 +235,10 @@ def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, dra
             episode["logprobs"] += s["logprobs"]
             episode.update(final=sampled, finish_reason=s["finish_reason"], turns=turn + 1)
             text = tokenizer.decode(sampled, skip_special_tokens=True)
+            episode["messages"].append({"role": "assistant", "content": text})
             call = parse_call(text, name, args.tool_format)
-            episode["ended_on_call"] = call is not None
+            cut = s["finish_reason"] == "length" and stop.replace("/", "", 1) in text  # begun
+            episode["ended_on_call"] = call is not None or cut  # no answer: scored 0
             if call is None or s["finish_reason"] == "length" or turn + 1 == args.max_turns:
                 continue
             calls.append((e, call, left - len(sampled)))
@@ -245,6 +247,7 @@ def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, dra
         for (e, _, left), output in zip(calls, outputs):
             episode, (output, failed) = episodes[e], clip_output(output, args.max_tool_output)
             episode["tool_calls"] += 1
+            episode["messages"].append({"role": "tool", "content": output})
             episode["tool_errors"] += failed
             # the turn's end (EOS, unless a stop string ended it) and the tool turn: context only
             glue = [eos] * (episode["final"][-1:] != [eos]) + tool_turn(tokenizer, output)
@@ -374,15 +377,14 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
 
 def tool_metrics(episodes: list[dict], split: str) -> dict:  # TOOLS: rollout/ and eval/
     """Means per episode (never per turn: failing episodes run longer): turns, tool calls, failed
-    calls, tool-turn tokens, and how many ended on a call (out of turns or room)."""
+    calls, tool-turn tokens, and how many ended on a call (out of turns or room, or cut short)."""
     keys = ("turns", "tool_calls", "tool_errors", "tool_tokens", "ended_on_call")
     return {f"{split}/{key}": sum(e[key] for e in episodes) / len(episodes) for key in keys}
 
 
 def answers(episodes: list[dict], n: int) -> list:  # TOOLS: the verifier reads the last turn
-    """Each episode's last turn, grouped n per prompt as score_responses reads engine samples."""
-    last = [{"token_ids": e["final"]} for e in episodes]
-    return [last[i : i + n] for i in range(0, len(last), n)]
+    """Each episode as common/tools.Episode, grouped n per prompt as score_responses reads them."""
+    return [[{"text": Episode(e)} for e in episodes[i : i + n]] for i in range(0, len(episodes), n)]
 
 
 def train_metrics(results: list[dict], args: Args) -> dict:

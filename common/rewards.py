@@ -39,10 +39,10 @@ def composed_reward(terms: dict, pairs: list, where: str, timeout: float, labels
 
 
 def score_responses(terms: dict, batch: list, outs: list, tokenizer, where: str, timeout: float):
-    """Decode the responses to a batch of Prompts (outs: n per prompt) and score each against its
-    prompt's answer: (texts, (B*n,) rewards, {term: (B*n,) values}), prompt-major."""
-    n = len(outs[0])
-    texts = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for o in outs for s in o]
+    """Decode the responses to a batch of Prompts (outs: n per prompt; a "text" is taken as is),
+    score each against its prompt's answer: (texts, (B*n,) rewards, {term: (B*n,) values})."""
+    n, decode = len(outs[0]), lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    texts = [s["text"] if "text" in s else decode(s["token_ids"]) for o in outs for s in o]
     pairs = [(text, batch[i // n].answer) for i, text in enumerate(texts)]
     labels = [f"prompt row {batch[i // n].row}, sample {i % n + 1}" for i in range(len(texts))]
     rewards, parts = composed_reward(terms, pairs, where, timeout, labels)

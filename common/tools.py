@@ -17,20 +17,43 @@ from common.rewards import Late, time_limit
 def tool_turn(tokenizer, content: str) -> list[int]:
     """A tool message's tokens as the chat template renders them after an assistant turn's
     end-of-turn token (the model's EOS, its last sampled token) up to the next assistant turn's
-    generation prompt: the conversation with the message, minus the same without it. A template
-    that does not render turn by turn (the message changes what came before it) is refused."""
-    eos, turns = tokenizer.eos_token_id, [{"role": "user", "content": "?"}]
-    turns.append({"role": "assistant", "content": "!"})
-    before = render(tokenizer, turns)
-    end = len(before) - before[::-1].index(eos) if eos in before else 0  # after the last EOS
-    after = render(tokenizer, [*turns, {"role": "tool", "content": content}], gen_prompt=True)
-    if not end or after[:end] != before[:end]:
-        why = "does not end assistant turns with EOS" if not end else "changes earlier turns"
+    generation prompt: the conversation with the message, past the assistant's EOS. Accepted when
+    that part does not depend on what the assistant said (Qwen3's template drops an empty <think>
+    from a turn that is no longer last: the turn changes, not the tool turn after it); refused
+    when assistant turns do not end with EOS, are dropped, or shape the tool turn."""
+    eos, user = tokenizer.eos_token_id, [{"role": "user", "content": "?"}]
+    head, turns, why = render(tokenizer, user), set(), None
+    for said in ("!", "<think>\n?\n</think>\n\n!"):
+        said = [{"role": "assistant", "content": said}, {"role": "tool", "content": content}]
+        after = render(tokenizer, user + said, gen_prompt=True)
+        rest = after[len(head) :] if after[: len(head)] == head else []
+        end = rest.index(eos) + 1 if eos in rest else 0  # the assistant's turn, its EOS included
+        if eos not in after:
+            why = "does not end assistant turns with EOS"
+        elif not end or "!" not in tokenizer.decode(rest[:end]):
+            why = "changes earlier turns"
+        turns.add(tuple(rest[end:]))
+    if why or len(turns) > 1:
         raise InputError(
-            f"the chat template {why} when a tool message follows: tool turns "
-            "cannot be appended to the sampled tokens; use a model whose does not"
+            f"the chat template {why or 'renders it by what the assistant said'} when a tool "
+            "message follows: tool turns cannot be appended to the sampled tokens; use a model "
+            "whose does not"
         )
-    return after[end:]
+    return list(turns.pop())
+
+
+class Episode(str):
+    """A tool episode as the reward terms receive it: a str, the answer (the last turn's text; ""
+    when the episode ended on a call, out of turns or room: no answer, 0 from the verifier), with
+    the whole episode for a --reward-fn that scores more than the answer: .messages (the model's
+    turns and the tools' outputs, in order, as chat messages), .tool_calls, .ended_on_call."""
+
+    def __new__(cls, episode: dict):  # run_episodes' episode
+        messages, ended_on_call = episode["messages"], episode["ended_on_call"]
+        self = super().__new__(cls, "" if ended_on_call else messages[-1]["content"])
+        self.messages, self.ended_on_call = messages, ended_on_call
+        self.tool_calls = episode["tool_calls"]
+        return self
 
 
 def call_tool(fn, text: str, timeout: float | None) -> str:

@@ -20,6 +20,7 @@ from conftest import (
 import grpo_tools
 from common.data import Prompt, make_sequence, render
 from common.errors import InputError, RunError
+from common.rewards import score_responses
 from common.tools import calculator, call_tool, call_tools, clip_output, tool_turn
 
 TAG = re.compile(r"# TOOLS: \S")
@@ -144,12 +145,51 @@ def test_a_hermes_template_renders_the_tool_turn_through_its_tool_role(tokenizer
     assert grpo_tools.STOP["hermes"] == "</tool_call>"
 
 
+# A Qwen3-style template (written for this test, after Qwen3's rule): an assistant turn after the
+# last user query shows its <think> block when it is the last message, or when it reasons; a turn
+# that is no longer last loses an empty one. The tool turn after it does not change.
+QWEN3_TEMPLATE = (
+    "{% set ns = namespace(last=messages|length - 1) %}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% set c = m['content'] %}"
+    "{% set r = c.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in c else '' %}"
+    "{% set c = c.split('</think>')[-1].lstrip('\\n') %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if loop.index0 > ns.last and (loop.last or r) %}{{ '<think>\\n' + r + '\\n</think>\\n\\n' }}"
+    "{% endif %}{{ c + '<|im_end|>\\n' }}{% elif m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_qwen3_template_that_changes_an_empty_think_block_is_accepted(tokenizer):
+    """Qwen3's template renders the same assistant turn differently once a tool message follows
+    (the empty <think> goes): the sampled tokens stay as sampled and the tool turn, which does not
+    depend on the turn, is appended. Both reasoning and not, the episode equals what the template
+    renders for the conversation from the tool turn on."""
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    expected = "\n<|im_start|>user\n<tool_response>\n4042\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tool_turn(tokenizer, "4042")) == expected
+    messages = [{"role": "user", "content": "What is 47 × 86?"}]
+    for said in ("<calc>47*86</calc>", "<think>\nmultiply\n</think>\n\n<calc>47*86</calc>"):
+        turns = [
+            *messages,
+            {"role": "assistant", "content": said},
+            {"role": "tool", "content": "4042"},
+        ]
+        whole = tokenizer.decode(render(tokenizer, turns, gen_prompt=True))
+        assert whole.endswith("<|im_end|>" + expected)
+
+
 @pytest.mark.parametrize(
     "template,why",
     [("{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "does not end assistant turns"),
      ("{% for m in messages %}{% if loop.last or m['role'] != 'assistant' %}{{ m['role'] }}: "
-      "{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}", "changes earlier turns")],
-    ids=["no-eos", "drops-history"],
+      "{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}", "changes earlier turns"),
+     ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% if m['role'] == 'tool' %}"
+      "{{ messages[loop.index0 - 1]['content'] }}{% endif %}{% endfor %}", "renders it by what the assistant")],
+    ids=["no-eos", "drops-history", "echoes-the-turn"],
 )  # fmt: skip
 def test_a_template_that_cannot_append_a_tool_turn_is_refused(tokenizer, template, why):
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
@@ -253,6 +293,48 @@ def test_no_room_for_an_answer_ends_the_episode(monkeypatch, tokenizer):
                                         max_response_length=call + 3)  # fmt: skip
     assert all(e["finish_reason"] == "length" and e["turns"] == 1 for e in episodes)
     assert len(engine.calls) == 1 and all(len(e["trained"]) == call for e in episodes)
+
+
+def test_an_episode_that_ends_on_a_call_scores_0_and_reward_terms_see_the_episode(
+    monkeypatch, tokenizer
+):
+    """The design: an episode whose last turn is a call gave no answer and scores 0, whatever the
+    call holds (the turn cap: `<calc>4042</calc>`; a call the length limit cut: `<calc>4042`), and
+    rollout/ended_on_call counts both. A --reward-fn term receives the answer as a str with the
+    whole episode: its turns, the tool's outputs, the number of calls."""
+    seen = []
+
+    def uses_the_tool(response, answer):  # a --reward-fn term: "answer correctly using the tool"
+        seen.append(response)
+        return float(response.tool_calls > 0)
+
+    terms = {"verifier": (grpo_tools.reward_fn, 1.0), "uses_the_tool": (uses_the_tool, 0.5)}
+    batch = [Prompt([0], "4042", "", 1)]
+    script = [["<calc>47*86</calc>", "<calc>4042</calc>"], ["<calc>47*86</calc>", "4042<EOS>"]]
+    capped, _, _ = episodes_with(monkeypatch, tokenizer, script, max_turns=2)
+    room = len(encode(tokenizer, "<calc>4042"))
+    script = [["<calc>4042*1</calc>"], ["4042<EOS>"]]
+    cut, _, _ = episodes_with(monkeypatch, tokenizer, script, max_response_length=room)
+    assert tokenizer.decode(cut[0]["final"]) == "<calc>4042" and cut[0]["finish_reason"] == "length"
+    for episodes in (capped, cut):
+        assert [e["ended_on_call"] for e in episodes] == [True, False]
+        assert grpo_tools.tool_metrics(episodes, "rollout")["rollout/ended_on_call"] == 0.5
+        outs = grpo_tools.answers(episodes, 2)
+        texts, rewards, parts = score_responses(terms, batch, outs, tokenizer, "step 1", 5.0)
+        assert texts == ["", "4042"] and parts["verifier"].tolist() == [0.0, 1.0]
+    called, answered = seen[:2]  # the turn-capped pair
+    assert called == "" and called.ended_on_call and called.tool_calls == 1
+    assert [m["role"] for m in called.messages] == ["assistant", "tool", "assistant"]
+    assert called.messages[1]["content"] == "4042" and rewards.tolist() == [0.0, 1.0]
+    assert answered.messages == [
+        {"role": "assistant", "content": "<calc>47*86</calc>"},
+        {"role": "tool", "content": "4042"},
+        {"role": "assistant", "content": "4042"},
+    ]
+    assert (
+        parts["uses_the_tool"].tolist() == [0.0, 0.0]
+        and seen[2].messages[0]["content"] == "<calc>4042"
+    )
 
 
 # ---- tools ----
