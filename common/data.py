@@ -1,7 +1,6 @@
 """Datasets (TRL's columns) in, packed micro-batches out: loading, validation, token packing."""
 
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -10,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from common.errors import InputError
+from common.isolate import UserFunction
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_TEMPLATE = ("the model's tokenizer has no chat template, and the data has message lists: use "
@@ -129,20 +129,9 @@ def quiet_hub_logs() -> None:
 
 
 def load_function(spec: str):
-    """`path/to/file.py:name` -> the function `name` in that file (user hooks: --reward-fn)."""
-    path, _, name = spec.rpartition(":")
-    if not path or not os.path.isfile(path):
-        raise InputError(f"{spec!r}: expected an existing path/to/file.py:function")
-    module_name = f"user_{os.path.basename(path)[:-3]}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise InputError(f"{path} failed to import: {type(e).__name__}: {e}") from None
-    if not callable(getattr(module, name, None)):
-        raise InputError(f"{path} has no function {name!r}")
-    return getattr(module, name)
+    """`path/to/file.py:name` -> that function (user hooks: --reward-fn, --tool), checked here and
+    run in a process of its own (common/isolate.py), so that its crash is not the run's end."""
+    return UserFunction(spec)
 
 
 def as_messages(value, role: str) -> list[dict]:

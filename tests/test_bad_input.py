@@ -680,7 +680,9 @@ def test_ppo_resume_needs_the_critic_checkpoint(run, tmp_path, tiny_model):
     "body,expected",
     [("return '1.0'", "returned '1.0', not a finite number"), ("return float('nan')", "returned nan"),
      ("return None", "returned None"), ("raise KeyError('x')", "failed (test calls before the run, row 1): KeyError"),
-     ("import time; time.sleep(60)", "did not return within 1 s")],
+     ("import time; time.sleep(60)", "did not return within 1 s"),
+     ("import os; os._exit(1)", "failed (test calls before the run, row 1): Crashed: the process running my_reward ended (exit status 1)"),
+     ("import ctypes; ctypes.string_at(0)", "Crashed: the process running my_reward ended (signal SIGSEGV)")],
 )  # fmt: skip
 def test_bad_reward_functions_are_caught_by_the_test_call(run, tmp_path, name, body, expected):
     path = tmp_path / "my_reward.py"

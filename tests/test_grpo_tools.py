@@ -18,7 +18,7 @@ from conftest import (
 )
 
 import grpo_tools
-from common.data import Prompt, make_sequence, render
+from common.data import Prompt, load_function, make_sequence, render
 from common.errors import InputError, RunError
 from common.rewards import score_responses
 from common.tools import calculator, call_tool, call_tools, clip_output, tool_turn
@@ -335,6 +335,30 @@ def test_an_episode_that_ends_on_a_call_scores_0_and_reward_terms_see_the_episod
         parts["uses_the_tool"].tolist() == [0.0, 0.0]
         and seen[2].messages[0]["content"] == "<calc>4042"
     )
+
+
+def test_a_user_tool_that_crashes_is_a_failed_call_and_the_episode_goes_on(
+    monkeypatch, tokenizer, tmp_path
+):
+    """--tool path.py:function runs in a process of its own (common/isolate.py): a function that
+    calls os._exit or segfaults is a failed call the model reads (counted in tool_errors), the
+    driver (this process) lives on, and the next call gets a fresh process."""
+    (tmp_path / "tools.py").write_text(
+        "import ctypes, os\ndef crash(text):\n    if text == '1':\n        os._exit(1)\n"
+        "    if text == '2':\n        ctypes.string_at(0)\n    return 'fine'\n"
+    )
+    tool = ("crash", "", load_function(f"{tmp_path}/tools.py:crash"))
+    script = [["<crash>1</crash>", "<crash>2</crash>", "<crash>3</crash>", "done<EOS>"]] * 2
+    (first, _), _, _ = episodes_with(
+        monkeypatch, tokenizer, script, fn=tool, max_turns=4, max_response_length=400
+    )
+    outputs = [m["content"] for m in first["messages"] if m["role"] == "tool"]
+    assert outputs == [
+        "error: Crashed: the process running crash ended (exit status 1)",
+        "error: Crashed: the process running crash ended (signal SIGSEGV)",
+        "fine",
+    ]
+    assert first["tool_errors"] == 2 and first["turns"] == 4 and not first["ended_on_call"]
 
 
 # ---- tools ----

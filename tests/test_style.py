@@ -146,16 +146,20 @@ def test_common_stays_small():
     # back at the next start (2026-12-03: a kill while best was replaced left none): 3,729. The
     # tools' budget 229 -> 244 for clip_output (2026-12-03: --max-tool-output cut the sandbox's
     # time-out note away, and a traceback's exit status did not count in rollout/tool_errors).
-    # 244 -> 267 (2026-12-03): tool_turn accepts a template whose tool turn does not depend on the
-    # assistant's turn (Qwen3's was refused: it drops an empty <think> from a turn no longer last)
-    # and refuses one whose tool turn does; Episode, the whole episode for the reward terms (a
-    # --reward-fn saw the last turn's text only, and an episode that ended on a call scored it).
+    # The tools' budget 244 -> 267 (2026-12-03): tool_turn accepts a template whose tool turn
+    # does not depend on the assistant's turn (Qwen3's was refused: it drops an empty <think> from
+    # a turn no longer last) and refuses one whose tool turn does; Episode, the whole episode for
+    # the reward terms (a --reward-fn saw the last turn's text only, and an episode that ended on a
+    # call scored it).
+    # User code in a process of its own (2026-12-03: common/isolate.py, 125 lines, less 11 in
+    # data.py: a --reward-fn term or a --tool function that called os._exit or segfaulted ended the
+    # run with no line, as the driver's own crash): 3,854.
     tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
     weights = source(os.path.join("common", "weights.py")).count("\n")
     assert tools <= 267, f"common/tools.py and sandbox.py have {tools} lines"
     assert weights <= 200, f"common/weights.py has {weights} lines"
     rest = total - tools - weights
-    assert rest <= 3729, f"common/ has {rest} lines besides tools, sandbox and weights"
+    assert rest <= 3854, f"common/ has {rest} lines besides tools, sandbox and weights"
 
 
 @pytest.mark.parametrize("script", PRESENT)
