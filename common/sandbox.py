@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,11 @@ from common.errors import InputError
 WRAPPERS = ("bubblewrap", "namespace", None)  # the most isolation first
 GUARANTEES = ("time", "memory", "processes", "output", "network", "filesystem")
 HOW_TO_GET = "bubblewrap 0.7+ (apt-get install bubblewrap); not root: unprivileged user namespaces"
+UNSAFE = {  # why no program may run here (never as the driver's user: it could kill the driver)
+    True: "as root each program runs as a uid of its own, and that uid cannot start {python} (a "
+    "folder on its path is not readable by others, e.g. /root)",
+    False: "neither bubblewrap nor unprivileged user namespaces run a program here",
+}
 ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # no secrets
 # Run inside the namespaces: RLIMIT_NPROC set in a new user namespace counts the processes in it,
 # not the user's others; root, whom it exempts, becomes a uid of its own (owning, running nothing).
@@ -34,43 +40,64 @@ def _wrapper(how: str | None, disk_mb: int) -> list[str]:
     folders above 0755 for root's drop), a private /tmp, no --new-session (killpg must reach)."""
     if how != "bubblewrap":
         userns = ["-r"] if os.getuid() else []
-        return ["unshare", *userns, "--net", "--pid", "--fork", "--kill-child"] if how else []
+        unshare = ["unshare", *userns, "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        return unshare if how else []
     want = {*"/usr /bin /sbin /lib /lib32 /lib64 /etc".split(), sys.prefix, sys.base_prefix,
             os.path.dirname(os.path.realpath(sys.executable))}  # fmt: skip
     keep = sorted(p for p in want if not any(p.startswith(q + "/") for q in want))
-    above = sorted({p[:i] for p in keep for i in range(1, len(p)) if p[i] == "/"})
+    above = sorted({p[:i] for p in keep for i in range(1, len(p)) if p[i] == "/"} - {"/tmp"})
+    # the private /tmp first: a Python under /tmp (a CI clone's) is bound on it, not hidden by it
     return ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--die-with-parent", *(["--unshare-user"] if os.getuid() else
                                    ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]),
+            "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
             *[a for p in above for a in ("--perms", "0755", "--dir", p)],
             *[a for p in keep for a in ("--ro-bind-try", p, p)], "--proc", "/proc",
-            "--dev", "/dev", "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
-            "--chdir", "/tmp"]  # fmt: skip
+            "--dev", "/dev", "--chdir", "/tmp"]  # fmt: skip
 
 
 @functools.cache
 def probe() -> dict[str, str | None]:
     """{guarantee: its mechanism here, or None where this machine lacks it}: the first layering that
-    runs a program here (wrapper; as root, first dropped to a uid of its own, then not)."""
-    root = os.getuid() == 0
-    tries = [(how, drop) for drop in dict.fromkeys((root, False)) for how in WRAPPERS]
-    how, drop = next((t for t in tries if _run("print(1)", *t, 5, 256, 9, 8) == "1\n"), (None, 0))
-    userns = "rlimit in user namespace" if how and not root else None
-    return {"time": "pid namespace + kill" if how else "session + kill", "memory": "rlimit",
-            "processes": "rlimit, own uid" if drop else userns, "output": "capped pipe",
-            "network": how, "filesystem": how if how == "bubblewrap" else None}  # fmt: skip
+    runs a program here, never as the driver's user: as root, as a uid of its own in each; else in
+    a user namespace (without one its programs could signal the driver and outlive the call). When
+    none does, "unsafe" says why; when bubblewrap is installed but failed, "bubblewrap" its line."""
+    root, tried = os.getuid() == 0, {}
+    for how in WRAPPERS if root else WRAPPERS[:2]:
+        tried[how] = _run("print(1)", how, root, 5, 256, 300, 8)
+        if tried[how] == "1\n":
+            break
+    else:
+        how = False  # nothing runs a program safely here
+    held = {
+        "time": "pid namespace + kill" if how else "session + kill",
+        "memory": "rlimit",
+        "processes": "rlimit, own uid" if root else "rlimit in user namespace",
+        "output": "capped pipe",
+        "network": how or None,
+        "filesystem": "bubblewrap" if how == "bubblewrap" else None,
+    }
+    if how is False:
+        held["unsafe"] = UNSAFE[root].format(python=sys.executable)
+    if shutil.which("bwrap") and tried.get("bubblewrap", "1\n") != "1\n":
+        held["bubblewrap"] = tried["bubblewrap"].strip().splitlines()[0]  # in its own words
+    return held
 
 
 def describe(held: dict) -> str:
     """The start-up line: each guarantee ✓ (its mechanism) or ✗, then how to get those missing."""
     marks = " ".join(f"{g} ✓ ({held[g]})" if held[g] else f"{g} ✗" for g in GUARANTEES)
-    lack = [g for g in GUARANTEES if not held[g]]
-    return f"sandbox: {marks}" + (f" (for {', '.join(lack)}: {HOW_TO_GET})" if lack else "")
+    lack, failed = [g for g in GUARANTEES if not held[g]], held.get("bubblewrap")
+    how = f"bubblewrap is installed but failed here: {failed}" if failed else HOW_TO_GET
+    return f"sandbox: {marks}" + (f" (for {', '.join(lack)}: {how})" if lack else "")
 
 
 def check(mode: str) -> str:
-    """describe(probe()); mode "strict" raises InputError instead when a guarantee is missing."""
+    """describe(probe()); InputError where no program may run, or (mode "strict") where a
+    guarantee is missing."""
     held = probe()
+    if unsafe := held.get("unsafe"):
+        raise InputError(f"--tool python: no safe sandbox here: {unsafe}; {HOW_TO_GET}")
     if mode == "strict" and (lack := [g for g in GUARANTEES if not held[g]]):
         raise InputError(f"--sandbox strict: this machine lacks {', '.join(lack)}: {HOW_TO_GET}")
     return describe(held)
@@ -80,9 +107,10 @@ def run_python(code: str, *, timeout: float = 5.0, memory_mb: int = 512, max_out
                max_procs: int = 16) -> str:  # fmt: skip
     """Its stdout and stderr, merged and cut at max_output characters, then a line for a time-out,
     a kill or a non-zero exit status. Never raises; nothing of it outlives the call."""
-    held = probe()  # its network mechanism is the wrapper; root's processes held: the drop
-    drop = os.getuid() == 0 and held["processes"] is not None
-    return _run(code, held["network"], drop, timeout, memory_mb, max_output, max_procs)
+    held = probe()  # its network mechanism is the wrapper; root's program: a uid of its own
+    if held.get("unsafe"):
+        return f"error: no safe sandbox here: {held['unsafe']}"
+    return _run(code, held["network"], os.getuid() == 0, timeout, memory_mb, max_output, max_procs)
 
 
 def _run(code, how, drop, timeout, memory_mb, max_output, max_procs) -> str:
