@@ -735,6 +735,23 @@ def test_a_repeated_reward_fn_is_read_whole_in_a_real_process(tmp_path):
     assert out.returncode == 1 and out.stderr.strip() == f"error: {path} has no function 'missing'"
 
 
+@pytest.mark.parametrize("how,ended", [("import os; os._exit(1)", "exit status 1"),
+                                       ("import ctypes; ctypes.string_at(0)", "signal SIGSEGV")])  # fmt: skip
+def test_a_reward_fn_that_crashes_its_process_is_one_line_in_a_real_process(tmp_path, how, ended):
+    """Before, os._exit(1) in a --reward-fn term ended grpo_tools.py with exit 1 and no line, a
+    segfault with 139 and a dump: the term ran in the driver. Now it runs in a process of its own."""
+    path = tmp_path / "crash.py"
+    path.write_text(f"def crash(response, answer):\n    {how}\n")
+    argv = [sys.executable, "grpo_tools.py", "--reward-fn", f"{path}:crash", "--output-dir",
+            str(tmp_path / "runs")]  # fmt: skip
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        "error: reward function crash failed (test calls before the run, row 1): Crashed: the "
+        f"process running crash ended ({ended})"
+    ), out.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "runs")
+
+
 # ---- the peer-derived wrong numbers ----
 
 
