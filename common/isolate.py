@@ -2,6 +2,7 @@
 segfault or abort is that call's named error, never the end of the driver and its checkpoints.
 Run as a script, this file is that process: it loads the function and serves calls on a socket."""
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -16,6 +17,24 @@ class Crashed(RuntimeError): ...  # the process of a user function ended during 
 
 
 class NoFunction(Exception): ...  # the file has no function of that name
+
+
+class Episode(str):
+    """grpo_tools.py's episode as the reward terms receive it: a str, the answer (the last turn's
+    text; "" when the episode ended on a call, out of turns or room: no answer, 0 from the
+    verifier), with the whole episode for a --reward-fn that scores more than the answer:
+    .messages (the model's turns and the tools' outputs, in order, as chat messages), .tool_calls,
+    .ended_on_call."""
+
+    def __new__(cls, episode: dict):  # run_episodes' episode
+        messages, ended_on_call = episode["messages"], episode["ended_on_call"]
+        self = super().__new__(cls, "" if ended_on_call else messages[-1]["content"])
+        self.messages, self.ended_on_call = messages, ended_on_call
+        self.tool_calls = episode["tool_calls"]
+        return self
+
+    def __reduce__(self):  # to the process of a --reward-fn term (light: this module alone)
+        return Episode, (dict(vars(self)),)
 
 
 def load(spec: str):
@@ -60,7 +79,7 @@ class UserFunction:
         try:
             ok, loaded = self.conn.recv()
         except EOFError:
-            ok, loaded = False, f"its process ended ({self.stop()})"
+            ok, loaded = False, f"its process ended ({self.stop(grace=1.0)})"
         if not ok:
             self.stop()
             return loaded
@@ -76,7 +95,7 @@ class UserFunction:
             self.conn.send(args)
             ok, value = self.conn.recv()
         except (EOFError, OSError):  # it died: say how, start a fresh one at the next call
-            how = self.stop()
+            how = self.stop(grace=1.0)
             raise Crashed(f"the process running {self.__name__} ended ({how})") from None
         except BaseException:  # a time limit, an interrupt: the call is abandoned with its process
             self.stop()
@@ -85,11 +104,13 @@ class UserFunction:
             return value
         raise value if isinstance(value, Exception) else type(value[0], (Exception,), {})(value[1])
 
-    def stop(self) -> str:
-        """End the child (if any); how it ended."""
+    def stop(self, grace: float = 0.0) -> str:
+        """End the child (if any), killed if it has not ended within `grace` s; how it ended."""
         child, self.child = self.child, None
         if child is None:
             return ""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(grace)
         child.kill()
         self.conn.close()
         code = child.wait()
@@ -120,6 +141,9 @@ def serve(spec: str, fd: int, parent: int) -> None:
             args = conn.recv()
         except EOFError:
             return
+        except Exception as e:  # arguments that cannot be read here
+            conn.send((False, RuntimeError(f"its arguments: {type(e).__name__}: {e}")))
+            continue
         try:
             reply = (True, fn(*args))
         except Exception as e:

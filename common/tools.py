@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common.data import render
 from common.errors import InputError
+from common.isolate import Episode  # noqa: F401 (grpo_tools.py's: here with the tools)
 from common.rewards import Late, time_limit
 
 
@@ -40,20 +41,6 @@ def tool_turn(tokenizer, content: str) -> list[int]:
             "whose does not"
         )
     return list(turns.pop())
-
-
-class Episode(str):
-    """A tool episode as the reward terms receive it: a str, the answer (the last turn's text; ""
-    when the episode ended on a call, out of turns or room: no answer, 0 from the verifier), with
-    the whole episode for a --reward-fn that scores more than the answer: .messages (the model's
-    turns and the tools' outputs, in order, as chat messages), .tool_calls, .ended_on_call."""
-
-    def __new__(cls, episode: dict):  # run_episodes' episode
-        messages, ended_on_call = episode["messages"], episode["ended_on_call"]
-        self = super().__new__(cls, "" if ended_on_call else messages[-1]["content"])
-        self.messages, self.ended_on_call = messages, ended_on_call
-        self.tool_calls = episode["tool_calls"]
-        return self
 
 
 def call_tool(fn, text: str, timeout: float | None) -> str:

@@ -296,7 +296,7 @@ def test_no_room_for_an_answer_ends_the_episode(monkeypatch, tokenizer):
 
 
 def test_an_episode_that_ends_on_a_call_scores_0_and_reward_terms_see_the_episode(
-    monkeypatch, tokenizer
+    monkeypatch, tokenizer, tmp_path
 ):
     """The design: an episode whose last turn is a call gave no answer and scores 0, whatever the
     call holds (the turn cap: `<calc>4042</calc>`; a call the length limit cut: `<calc>4042`), and
@@ -308,7 +308,12 @@ def test_an_episode_that_ends_on_a_call_scores_0_and_reward_terms_see_the_episod
         seen.append(response)
         return float(response.tool_calls > 0)
 
-    terms = {"verifier": (grpo_tools.reward_fn, 1.0), "uses_the_tool": (uses_the_tool, 0.5)}
+    (tmp_path / "terms.py").write_text(  # a --reward-fn term: the episode reaches its process
+        "def shape(response, answer):\n"
+        "    return len(response.messages) + 10 * response.tool_calls + 100 * response.ended_on_call\n"
+    )
+    terms = {"verifier": (grpo_tools.reward_fn, 1.0), "uses_the_tool": (uses_the_tool, 0.5),
+             "shape": (load_function(f"{tmp_path}/terms.py:shape"), 0.0)}  # fmt: skip
     batch = [Prompt([0], "4042", "", 1)]
     script = [["<calc>47*86</calc>", "<calc>4042</calc>"], ["<calc>47*86</calc>", "4042<EOS>"]]
     capped, _, _ = episodes_with(monkeypatch, tokenizer, script, max_turns=2)
@@ -322,6 +327,8 @@ def test_an_episode_that_ends_on_a_call_scores_0_and_reward_terms_see_the_episod
         outs = grpo_tools.answers(episodes, 2)
         texts, rewards, parts = score_responses(terms, batch, outs, tokenizer, "step 1", 5.0)
         assert texts == ["", "4042"] and parts["verifier"].tolist() == [0.0, 1.0]
+        shapes = [len(e["messages"]) + 10 * e["tool_calls"] + 100 for e in episodes]
+        assert parts["shape"].tolist() == [shapes[0], shapes[1] - 100]
     called, answered = seen[:2]  # the turn-capped pair
     assert called == "" and called.ended_on_call and called.tool_calls == 1
     assert [m["role"] for m in called.messages] == ["assistant", "tool", "assistant"]
