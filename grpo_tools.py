@@ -376,15 +376,9 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
 
 
 def tool_metrics(episodes: list[dict], split: str) -> dict:  # TOOLS: rollout/ and eval/
-    """Means per episode (never per turn: failing episodes run longer): turns, tool calls, failed
-    calls, tool-turn tokens, and how many ended on a call (out of turns or room, or cut short)."""
+    """Means per episode (never per turn: failing episodes run longer) of each count and flag."""
     keys = ("turns", "tool_calls", "tool_errors", "tool_tokens", "ended_on_call")
     return {f"{split}/{key}": sum(e[key] for e in episodes) / len(episodes) for key in keys}
-
-
-def answers(episodes: list[dict], n: int) -> list:  # TOOLS: the verifier reads the last turn
-    """Each episode as common/tools.Episode, grouped n per prompt as score_responses reads them."""
-    return [[{"text": Episode(e)} for e in episodes[i : i + n]] for i in range(0, len(episodes), n)]
 
 
 def train_metrics(results: list[dict], args: Args) -> dict:
@@ -498,7 +492,7 @@ def main(args: Args):
         if "eval" not in prompts:
             return {}
         episodes = run_episodes(engines, prompts["eval"], 1, tool, tokenizer, args)  # TOOLS: greedy
-        where, outs = f"eval at step {step}", answers(episodes, 1)  # TOOLS: the last turns
+        where, outs = f"eval at step {step}", [[{"text": Episode(e)}] for e in episodes]  # TOOLS
         _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, timeout)
         accuracy = {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's alone
         return {**accuracy, **tool_metrics(episodes, "eval")}  # TOOLS: turns and calls too
@@ -539,7 +533,8 @@ def main(args: Args):
         t_gen = time.time()
 
         # ALGO LOGIC: rewards and advantages, per group; the values each trained token carries
-        outs = answers(responses, G)  # TOOLS: the final answers; the samples log whole episodes
+        outs = [{"text": Episode(e)} for e in responses]  # TOOLS: answers, each with its episode
+        outs = [outs[i : i + G] for i in range(0, len(outs), G)]  # as score_responses reads them
         _, rewards, parts = score_responses(terms, batch, outs, tokenizer, where, timeout)
         texts = [tokenizer.decode(s["ids"][s["start"] :]) for s in responses]  # TOOLS: episodes
         advantages = compute_advantages(rewards, G)  # (B*G,)
@@ -654,7 +649,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     for row in [row for rows, _ in datasets.values() for row in rows]:  # TOOLS: tell of the tool
         row["prompt"] = with_tool_prompt(row["prompt"], tool, args.tool_format)
     answer = str(datasets["train"][0][0]["answer"])  # a broken reward function fails now, not later
-    pairs = [("", answer), (answer, answer)]
+    pairs = [(Episode.of(""), answer), (Episode.of(answer), answer)]  # TOOLS: as the run's
     composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")

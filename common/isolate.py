@@ -33,6 +33,12 @@ class Episode(str):
         self.tool_calls = episode["tool_calls"]
         return self
 
+    @classmethod
+    def of(cls, text: str):
+        """A one-turn episode answering `text` ("": one that ended on a call): the test calls'."""
+        turn = {"role": "assistant", "content": text}
+        return cls(dict(messages=[turn], ended_on_call=not text, tool_calls=int(not text)))
+
     def __reduce__(self):  # to the process of a --reward-fn term (light: this module alone)
         return Episode, (dict(vars(self)),)
 

@@ -20,6 +20,7 @@ from conftest import (
 import grpo_tools
 from common.data import Prompt, load_function, make_sequence, render
 from common.errors import InputError, RunError
+from common.isolate import Episode
 from common.rewards import score_responses
 from common.tools import calculator, call_tool, call_tools, clip_output, tool_turn
 
@@ -324,7 +325,7 @@ def test_an_episode_that_ends_on_a_call_scores_0_and_reward_terms_see_the_episod
     for episodes in (capped, cut):
         assert [e["ended_on_call"] for e in episodes] == [True, False]
         assert grpo_tools.tool_metrics(episodes, "rollout")["rollout/ended_on_call"] == 0.5
-        outs = grpo_tools.answers(episodes, 2)
+        outs = [[{"text": Episode(e)} for e in episodes]]  # as grpo_tools.py's loop gives them
         texts, rewards, parts = score_responses(terms, batch, outs, tokenizer, "step 1", 5.0)
         assert texts == ["", "4042"] and parts["verifier"].tolist() == [0.0, 1.0]
         shapes = [len(e["messages"]) + 10 * e["tool_calls"] + 100 for e in episodes]
@@ -468,7 +469,12 @@ def test_grpo_tools_end_to_end_repeats_and_resumes_exactly(tiny_model, tmp_path)
     (tmp_path / "edited").mkdir()  # named as the script: its runs are grpo_tools.py's
     runner = tmp_path / "edited" / "grpo_tools.py"
     runner.write_text(RUNNER.format(repo=REPO))
-    flags = ("--model", tiny_model, "--num-steps", "2", "--prompts-per-step", "2",
+    # user code, each in a process of its own: a tool, and a reward term that reads the episode
+    (tmp_path / "user.py").write_text("def count(text):\n    return f'ok:{len(text)}'\n"
+                                      "def per_call(response, answer):\n"
+                                      "    return response.tool_calls + 0 * len(response.messages)\n")  # fmt: skip
+    flags = ("--tool", f"{tmp_path}/user.py:count", "--reward-fn", f"{tmp_path}/user.py:per_call=0.1",
+             "--model", tiny_model, "--num-steps", "2", "--prompts-per-step", "2",
              "--num-generations", "2", "--num-trainers", "2", "--num-engines", "2",
              "--max-response-length", "48", "--save-every", "1", "--no-save-final", "--seed", "3",
              "--dataset", "data/multiply/prompts_train.jsonl",
@@ -482,9 +488,10 @@ def test_grpo_tools_end_to_end_repeats_and_resumes_exactly(tiny_model, tmp_path)
     assert [row["step"] for row in metrics] == [0, 1, 2]
     assert all(row["train/logprob_diff_max"] <= 1e-4 for row in steps), steps
     assert sum(row["rollout/tool_calls"] for row in steps) > 0  # tool turns were trained beside
+    assert all(row["rollout/reward/per_call"] == row["rollout/tool_calls"] for row in steps)
     assert "eval/turns" in metrics[0]
     samples = read_jsonl(os.path.join(run_dir, "samples.jsonl"))
-    assert any("<|im_start|>tool\n" in row["response"] for row in samples)
+    assert any("<|im_start|>tool\nok:" in row["response"] for row in samples)
     assert any(row["step"] == 2 and "<|im_start|>tool\n" in row["response"] for row in samples)
     assert_resume_is_exact(str(runner), flags, run_dir)  # step 2's multi-turn samples again
 

@@ -45,8 +45,9 @@ BUDGET = {  # + the entropy hook; + composed rewards (--verifier-weight, rollout
     "grpo_async.py": 676,  # its reward workers return the terms
     # grpo.py + its tagged diff (its own budget: 200 changed lines); +3 on 2026-12-02: a turn's
     # tool calls are made together (--tool python: the sandbox's a core each), the loop in 2 passes;
-    # +2 on 2026-12-03: the episode as chat messages for the reward terms, a call cut short counted
-    "grpo_tools.py": 738,
+    # 2026-12-03: the episode as chat messages for the reward terms, a call cut short counted,
+    # answers() folded into its two calls: 733
+    "grpo_tools.py": 733,
     # grpo.py + its tagged diff (200 changed lines, as grpo_tools.py's): the teacher's prompt, its
     # scoring on the trainer ranks and the per-token advantage (2026-12-02)
     "distill.py": 680,
@@ -157,13 +158,15 @@ def test_common_stays_small():
     # with a Python under /tmp (its private /tmp hid the interpreter); a failing bubblewrap named.
     # User code in a process of its own (2026-12-03: common/isolate.py, 149 lines with Episode,
     # less 11 in data.py: a --reward-fn term or a --tool function that called os._exit or
-    # segfaulted ended the run with no line, as the driver's own crash): 3,878.
+    # segfaulted ended the run with no line, as the driver's own crash): 3,878. Episode.of:
+    # grpo_tools.py's test calls give a term the episode the run will give it (a plain str failed
+    # a term reading .tool_calls before the run started): 3,884.
     tools = sum(source(os.path.join("common", f)).count("\n") for f in ("tools.py", "sandbox.py"))
     weights = source(os.path.join("common", "weights.py")).count("\n")
     assert tools <= 282, f"common/tools.py and sandbox.py have {tools} lines"
     assert weights <= 200, f"common/weights.py has {weights} lines"
     rest = total - tools - weights
-    assert rest <= 3878, f"common/ has {rest} lines besides tools, sandbox and weights"
+    assert rest <= 3884, f"common/ has {rest} lines besides tools, sandbox and weights"
 
 
 @pytest.mark.parametrize("script", PRESENT)
