@@ -24,8 +24,8 @@ def tool_turn(tokenizer, content: str) -> list[int]:
     when assistant turns do not end with EOS, are dropped, or shape the tool turn."""
     eos, user = tokenizer.eos_token_id, [{"role": "user", "content": "?"}]
     head, turns, why = render(tokenizer, user), set(), None
-    for said in ("!", "<think>\n?\n</think>\n\n!"):
-        said = [{"role": "assistant", "content": said}, {"role": "tool", "content": content}]
+    for reply in ("!", "<think>\n?\n</think>\n\n!"):
+        said = [{"role": "assistant", "content": reply}, {"role": "tool", "content": content}]
         after = render(tokenizer, user + said, gen_prompt=True)
         rest = after[len(head) :] if after[: len(head)] == head else []
         end = rest.index(eos) + 1 if eos in rest else 0  # the assistant's turn, its EOS included
