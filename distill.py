@@ -25,7 +25,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -34,9 +33,10 @@ from transformers import AutoTokenizer
 from common import checkpoint, data, lora, memory, models, placement, weight_sync
 from common.data import batch_rows, make_sequence, response_values
 from common.engines import generate, spawn_engines
-from common.errors import InputError, check_ranges, parse_args
-from common.flags import Engines, Experiment, LoRA, Resources
+from common.errors import InputError
+from common.flags import Engines, Experiment, LoRA, Optimization, Resources, check_flags, parse_args
 from common.lm_head import token_logprobs
+from common.optim import ema_weights
 from common.placement import call
 from common.precision import choose_dtype
 from common.prompts import encode_prompts, read_prompts
@@ -44,11 +44,10 @@ from common.rewards import composed_reward, reward_terms, score_responses
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
 from common.weight_sync import sync_weights
-from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/'s flags come first
+class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
@@ -123,14 +122,6 @@ class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/'s flags co
     response if more; raise it on GPU); gradients accumulate over micro-batches"""
     learning_rate: Annotated[float, "> 0"] = 2e-5
     """peak learning rate (both halves of Muon too)"""
-    warmup_steps: Annotated[int, ">= 0"] = 2
-    """linear warm-up steps, then cosine decay"""
-    min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
-    """the cosine decays to learning_rate * min_lr_ratio"""
-    weight_decay: Annotated[float, ">= 0"] = 0.0
-    """decoupled weight decay (AdamW's, Muon's)"""
-    max_grad_norm: Annotated[float, "> 0"] = 1.0
-    """clip the global gradient norm to this"""
 
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
@@ -461,7 +452,7 @@ def main(args: Args):
             for i in range(min(len(texts), 2 * G))
         ]  # fmt: skip
         run.log_samples(done, rows)
-        keep_best(args, run, metrics, done, trainers)  # --best-metric
+        checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)
@@ -514,17 +505,9 @@ def main(args: Args):
         }
         end_step(step + 1, metrics, batch, texts, rewards)
 
-    # ---- teardown: final model in HF format ----
-    # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
-    if args.save_final:
-        with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
-            call(trainers, "save", folder, args.num_steps, args.save_every > 0)
-        run.print(f"final model: {run.checkpoint_dir('final')}")
-    if first and "eval/accuracy" in metrics:
-        before, after = first["eval/accuracy"], metrics["eval/accuracy"]
-        run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
-    run.close()
-    ray.shutdown()
+    # ---- teardown: the final model in HF format, the accuracy line (checkpoint.finish) ----
+    accuracy = {"eval/accuracy": "greedy accuracy on the held-out prompts"}
+    checkpoint.finish(args, run, trainers, first, metrics, accuracy)
 
 
 # TRY NOT TO MODIFY: the loop's plumbing.
@@ -550,7 +533,7 @@ def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
-    check_ranges(args)
+    check_flags(args)
     lora.check_args(args)
     dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if (args.prompts_per_step * args.num_generations) % (args.num_minibatches * dp_size):
@@ -648,8 +631,9 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path
-    shell = trainer_shell(args, policy, model_path)
-    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *shell)
+    shell = load_policy, policy, model_path, args  # the loader, what it loads, the start model
+    frozen = frozen_models(args)  # π_ref's log-probabilities with --kl-coef
+    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *shell, frozen=frozen)
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
         pg, layout.engines, model_path=model_path if args.lora_rank else policy, seed=args.seed,
@@ -662,18 +646,6 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     sync = (args.engine_tp, args.lora_merge_sync)
     call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)
     return trainers, engines
-
-
-def trainer_shell(args: Args, *paths: str) -> tuple:
-    """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
-    policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
-    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
-                    gradient_checkpointing=args.gradient_checkpointing, frozen=frozen_models(args),
-                    learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                    num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
-                    weight_decay=args.weight_decay, optimizer=args.optimizer, ema=args.ema_beta,
-                    max_grad_norm=args.max_grad_norm, colocate=args.colocate)  # fmt: skip
-    return load_policy, paths, settings, args
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-import ray
 import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers import AutoModelForSequenceClassification as AutoScoreModel  # the critic
@@ -39,9 +38,10 @@ from transformers import AutoModelForSequenceClassification as AutoScoreModel  #
 from common import checkpoint, data, lora, memory, models, placement, weight_sync
 from common.data import Prompt, batch_rows, encode_example, make_sequence, response_values
 from common.engines import generate, spawn_engines
-from common.errors import InputError, check_ranges, parse_args
-from common.flags import Engines, Experiment, LoRA, Resources
+from common.errors import InputError
+from common.flags import Engines, Experiment, LoRA, Optimization, Resources, check_flags, parse_args
 from common.lm_head import token_logprobs
+from common.optim import ema_weights
 from common.placement import call, wait_all
 from common.precision import choose_dtype
 from common.prompts import encode_prompts, read_prompts
@@ -49,11 +49,10 @@ from common.rewards import composed_reward, reward_terms, score_responses
 from common.tracking import Run
 from common.trainer import Critic, Trainer, load_model, load_policy
 from common.weight_sync import sync_weights
-from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/'s flags come first
+class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
@@ -136,14 +135,6 @@ class Args(Weights, LoRA, Engines, Resources, Experiment):  # common/'s flags co
     """peak learning rate of the policy's AdamW"""
     critic_learning_rate: Annotated[float, "> 0"] = 5e-5
     """peak learning rate of the critic's AdamW (its new value head must move faster)"""
-    warmup_steps: Annotated[int, ">= 0"] = 2
-    """linear warm-up steps, then cosine decay"""
-    min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
-    """the cosine decays to learning_rate * min_lr_ratio"""
-    weight_decay: Annotated[float, ">= 0"] = 0.0
-    """decoupled weight decay (AdamW's, Muon's)"""
-    max_grad_norm: Annotated[float, "> 0"] = 1.0
-    """clip the global gradient norm to this"""
 
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
@@ -635,19 +626,13 @@ def main(args: Args):
         rows = [{"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer,
                  "reward": scores[i].item()} for i in range(min(len(texts), 2 * n))]  # fmt: skip
         run.log_samples(done, rows)
-        keep_best(args, run, metrics, done, trainers)  # --best-metric
+        checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             save(done)
 
-    # ---- teardown: final policy in HF format (resumable too with --save-every) ----
-    if args.save_final:
-        save(args.num_steps, "final", with_optimizer=args.save_every > 0)
-        run.print(f"final model: {run.checkpoint_dir('final')}")
-    if first and "eval/accuracy" in metrics:
-        before, after = first["eval/accuracy"], metrics["eval/accuracy"]
-        run.print(f"greedy accuracy on the held-out prompts: {before:.3f} -> {after:.3f}")
-    run.close()
-    ray.shutdown()
+    # ---- teardown: the final policy in HF format, the accuracy line (checkpoint.finish) ----
+    accuracy = {"eval/accuracy": "greedy accuracy on the held-out prompts"}
+    checkpoint.finish(args, run, trainers, first, metrics, accuracy, save)
 
 
 # TRY NOT TO MODIFY: the loop's plumbing.
@@ -702,7 +687,7 @@ def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
-    check_ranges(args)
+    check_flags(args)
     lora.check_args(args)
     if args.num_trainers % args.sp_size or args.num_critics % args.sp_size:
         raise InputError(
@@ -804,9 +789,15 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
     layout = placement.Layout(use_gpu, *sizes, rm)
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
-    policy, critic = trainer_shells(args, paths, offload)
-    trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *policy)
-    critics = placement.spawn_trainers(Critic, pg, layout.critics, *critic)
+    policy = load_policy, paths["policy"], paths["reference"], args  # loader, what, start model
+    trainers = placement.spawn_trainers(
+        Trainer, pg, layout.trainers, *policy, frozen=["ref_logprobs"]
+    )
+    critic = load_critic, paths["critic"], paths["critic_start"], args  # the score head whole
+    lr = args.critic_learning_rate  # its own optimizer
+    critics = placement.spawn_trainers(
+        Critic, pg, layout.critics, *critic, whole=["score"], learning_rate=lr, offload=offload
+    )
     reward_model = None
     if rm:
         reward_model = models.RewardModel.options(**layout.reward_model.options(pg)).remote(
@@ -825,24 +816,6 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
     sync = (args.engine_tp, args.lora_merge_sync)
     call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)
     return trainers, critics, reward_model, engines
-
-
-def trainer_shells(args: Args, paths: dict, offload: bool) -> tuple:
-    """The trainer shells' arguments (common/trainer.py), the policy's and the critic's: this file's
-    loader, the paths (what to load, the start model) and what each takes from the flags."""
-    both = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, colocate=args.colocate,
-                gradient_checkpointing=args.gradient_checkpointing, weight_decay=args.weight_decay,
-                max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
-                num_steps=args.num_steps, min_lr_ratio=args.min_lr_ratio,
-                optimizer=args.optimizer)  # fmt: skip
-    policy = dict(both, lora=lora.spec(args), frozen=["ref_logprobs"],
-                  learning_rate=args.learning_rate, ema=args.ema_beta)  # fmt: skip
-    critic = dict(both, lora=lora.spec(args, whole=("score",)), frozen=[], offload=offload,
-                  learning_rate=args.critic_learning_rate)  # fmt: skip  # its own optimizer
-    return (
-        (load_policy, (paths["policy"], paths["reference"]), policy, args),
-        (load_critic, (paths["critic"], paths["critic_start"]), critic, args),
-    )
 
 
 if __name__ == "__main__":

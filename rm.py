@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
-import ray
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -36,18 +35,18 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 # call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, lora, memory, models, placement
 from common.data import batch_rows
-from common.errors import InputError, check_ranges, parse_args
-from common.flags import Experiment, LoRA, Resources
+from common.errors import InputError
+from common.flags import Experiment, LoRA, Optimization, Resources, check_flags, parse_args
+from common.optim import ema_weights
 from common.placement import call
 from common.precision import choose_dtype
 from common.ring_attn import sequence_sums, shard_micro_batch
 from common.tracking import Run
 from common.trainer import Trainer, load_model
-from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(Weights, LoRA, Resources, Experiment):  # common/'s flags come first
+class Args(Optimization, LoRA, Resources, Experiment):  # common/'s flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model (its LM head is replaced by a
@@ -83,12 +82,6 @@ class Args(Weights, LoRA, Resources, Experiment):  # common/'s flags come first
     """peak learning rate (both halves of Muon too)"""
     warmup_steps: Annotated[int, ">= 0"] = 4
     """linear warm-up steps, then cosine decay"""
-    min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
-    """the cosine decays to learning_rate * min_lr_ratio"""
-    weight_decay: Annotated[float, ">= 0"] = 0.0
-    """decoupled weight decay (AdamW's, Muon's)"""
-    max_grad_norm: Annotated[float, "> 0"] = 1.0
-    """clip the global gradient norm to this"""
 
 
 # ALGO LOGIC: the reward model, where it reads the reward, and the Bradley-Terry loss.
@@ -235,8 +228,9 @@ def main(args: Args):
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
     model_path, pairs = prepare_inputs(args, use_gpu)
-    shell = trainer_shell(args, resume_ckpt or model_path, model_path)  # + the base
-    trainers = placement.start_trainers(Trainer, use_gpu, args.num_trainers, *shell)
+    shell = load_reward_model, resume_ckpt or model_path, model_path, args  # + the base: LoRA's
+    whole = ["score"]  # LoRA: the score head trained whole
+    trainers = placement.start_trainers(Trainer, use_gpu, args.num_trainers, *shell, whole=whole)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step, args.num_steps)
@@ -279,22 +273,14 @@ def main(args: Args):
             metrics.update(evaluate())
         update = [k for k in metrics if k.startswith("train/") and k != "train/lr"]
         run.log(done, metrics, (*update, *console))
-        keep_best(args, run, metrics, done, trainers)  # --best-metric
+        checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)
 
-    # ---- teardown: final model in HF format (AutoModelForSequenceClassification, one label) ----
-    # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
-    if args.save_final:
-        with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
-            call(trainers, "save", folder, args.num_steps, args.save_every > 0)
-        run.print(f"final model: {run.checkpoint_dir('final')}")
-    if first and "eval/accuracy" in metrics:
-        before, after = first["eval/accuracy"], metrics["eval/accuracy"]
-        run.print(f"held-out pair accuracy: {before:.3f} -> {after:.3f}")
-    run.close()
-    ray.shutdown()
+    # ---- teardown: the final model (AutoModelForSequenceClassification, one label), the line ----
+    accuracy = {"eval/accuracy": "held-out pair accuracy"}
+    checkpoint.finish(args, run, trainers, first, metrics, accuracy)
 
 
 # SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
@@ -302,7 +288,7 @@ def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
-    check_ranges(args)
+    check_flags(args)
     lora.check_args(args)
     dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if args.batch_size % dp_size:
@@ -366,19 +352,6 @@ def encode_pairs(rows: list[dict], source: str, tokenizer, args: Args) -> list[d
         make_pair(c, r, float(row.get("margin", args.margin))) for (c, r), row in zip(encoded, rows)
     ]
     return data.within(pairs, lengths, args.max_length, args.drop_long, source, "pairs")
-
-
-def trainer_shell(args: Args, *paths: str) -> tuple:
-    """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
-    model (or the checkpoint to resume) and the start model; what it takes from the flags."""
-    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, frozen=[],
-                    lora=lora.spec(args, whole=("score",)),  # the score head trained whole
-                    gradient_checkpointing=args.gradient_checkpointing,
-                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                    optimizer=args.optimizer, ema=args.ema_beta,
-                    warmup_steps=args.warmup_steps, num_steps=args.num_steps,
-                    min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm)  # fmt: skip
-    return load_reward_model, paths, settings, args
 
 
 if __name__ == "__main__":

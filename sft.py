@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
-import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -28,19 +27,19 @@ from transformers import AutoTokenizer
 # call says where it lives. The names below are what the math, the update and the loop use.
 from common import checkpoint, data, greedy, lora, memory, models, placement
 from common.data import batch_rows
-from common.errors import InputError, check_ranges, parse_args
-from common.flags import Experiment, LoRA, Resources
+from common.errors import InputError
+from common.flags import Experiment, LoRA, Optimization, Resources, check_flags, parse_args
 from common.lm_head import token_logprobs
+from common.optim import ema_weights
 from common.placement import call
 from common.precision import choose_dtype
 from common.prompts import read_prompts
 from common.tracking import Run
 from common.trainer import Trainer, load_policy
-from common.weights import Weights, ema_weights, keep_best
 
 
 @dataclass
-class Args(Weights, LoRA, Resources, Experiment):  # common/'s flags come first
+class Args(Optimization, LoRA, Resources, Experiment):  # common/'s flags come first
     # Model and data
     model: str = models.BUILTIN_MODEL
     """HF hub id, local HF folder, or the built-in offline model"""
@@ -74,12 +73,6 @@ class Args(Weights, LoRA, Resources, Experiment):  # common/'s flags come first
     """peak learning rate (both halves of Muon too)"""
     warmup_steps: Annotated[int, ">= 0"] = 4
     """linear warm-up steps, then cosine decay"""
-    min_lr_ratio: Annotated[float, ">= 0, <= 1"] = 0.1
-    """the cosine decays to learning_rate * min_lr_ratio"""
-    weight_decay: Annotated[float, ">= 0"] = 0.0
-    """decoupled weight decay (AdamW's, Muon's)"""
-    max_grad_norm: Annotated[float, "> 0"] = 1.0
-    """clip the global gradient norm to this"""
 
 
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
@@ -184,7 +177,7 @@ def main(args: Args):
     use_gpu, resume = check_machine(args, os.path.basename(__file__))
     run_dir, resume_ckpt, resume_step = resume or (None, None, 0)
     model_path, tokenizer, sequences, accuracy = prepare_inputs(args, use_gpu)
-    shell = trainer_shell(args, resume_ckpt or model_path, model_path)  # + the base
+    shell = load_policy, resume_ckpt or model_path, model_path, args  # + the base: LoRA's
     trainers = placement.start_trainers(Trainer, use_gpu, args.num_trainers, *shell)
     if args.resume:
         call(trainers, "load_optimizer", resume_ckpt)
@@ -233,22 +226,14 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k != "train/tokens"]
         run.log(done, metrics, (*update, *console))
-        keep_best(args, run, metrics, done, trainers)  # --best-metric
+        checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True)
 
-    # ---- teardown: final model in HF format ----
-    # (resumable too with --save-every: a finished run can be extended with a larger --num-steps)
-    if args.save_final:
-        with checkpoint.staged(run.checkpoint_dir("final"), args.num_steps) as folder:
-            call(trainers, "save", folder, args.num_steps, args.save_every > 0)
-        run.print(f"final model: {run.checkpoint_dir('final')}")
-    if first and "eval/accuracy" in first:
-        before, after = first["eval/accuracy"], metrics["eval/accuracy"]
-        run.print(f"greedy accuracy on the held-out split: {before:.3f} -> {after:.3f}")
-    run.close()
-    ray.shutdown()
+    # ---- teardown: the final model in HF format, the accuracy line (checkpoint.finish) ----
+    accuracy = {"eval/accuracy": "greedy accuracy on the held-out split"}
+    checkpoint.finish(args, run, trainers, first, metrics, accuracy)
 
 
 # SETUP AND CHECKS: once, before the loop; bad input stops here with one `error:` line.
@@ -256,7 +241,7 @@ def validate_args(args: Args) -> None:
     """Stop with one `error:` line on flags out of their range (declared in Args) or that cannot
     work together; fill the defaults that depend on others. Pure: no files, devices or Ray, so the
     docstring's commands are checked by a test on any machine."""
-    check_ranges(args)
+    check_flags(args)
     lora.check_args(args)
     dp_size = args.dp_size()  # data-parallel groups (each splits rows over SP)
     if args.batch_size % dp_size:
@@ -321,18 +306,6 @@ def encode_rows(rows: list[dict], source: str, tokenizer, args: Args) -> list[di
     if not sequences:
         raise InputError(f"{source}: no rows left with assistant tokens within --max-length")
     return sequences
-
-
-def trainer_shell(args: Args, *paths: str) -> tuple:
-    """The trainer shell's arguments (common/trainer.py): this file's model loader; `paths`, the
-    policy (or the checkpoint to resume) and the start model; what it takes from the flags."""
-    settings = dict(seed=args.seed, sp_size=args.sp_size, dtype=args.dtype, lora=lora.spec(args),
-                    gradient_checkpointing=args.gradient_checkpointing, frozen=[],
-                    learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                    optimizer=args.optimizer, ema=args.ema_beta,
-                    warmup_steps=args.warmup_steps, num_steps=args.num_steps,
-                    min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm)  # fmt: skip
-    return load_policy, paths, settings, args
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import re
 import shutil
 import zipfile
 
+import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as sd
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint.state_dict as sd
 from common import lifetime, lora
 from common.errors import InputError, RunError
 from common.models import check_weights, whole_file
+from common.placement import call
 from common.tracking import check_output_dir, check_tracking, lock_run_dir, write_json
 
 
@@ -94,7 +96,6 @@ def exchange(new: str, path: str) -> None:
 def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str, int] | None:
     """Before anything starts: the wandb login and a new run's --output-dir (None), or --resume
     checked against the script, --model, LoRA flags and --num-steps: (run_dir, checkpoint, step)."""
-    getattr(args, "check_weights_flags", lambda: None)()  # common/weights.py
     check_tracking(args.track)
     if not args.resume:
         return check_output_dir(args.output_dir)
@@ -217,3 +218,47 @@ def check(folder: str) -> None:
         raise InputError(f"--resume: {adapter} is missing or truncated")
     if not zipfile.is_zipfile(os.path.join(folder, "trainer_state.pt")):
         raise InputError(f"--resume: {folder}/trainer_state.pt is truncated or not a checkpoint")
+
+
+# ---- --best-metric ----
+def keep_best(args, run, metrics: dict, step: int, trainers: list) -> None:
+    """An evaluation better than checkpoints/best's (its checkpoint.json) replaces it by the
+    trainers' weights (θ_ema in ema/ with --ema-beta), swapped in whole (checkpoint.staged): a
+    kill at any moment leaves the old best or the new one."""
+    if not args.best_metric or not any(k.startswith("eval/") for k in metrics):
+        return
+    if (value := metrics.get(args.best_metric)) is None:
+        given = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
+        raise InputError(f"--best-metric {args.best_metric}: this run evaluates {given}")
+    path = run.checkpoint_dir("best")
+    try:
+        with open(os.path.join(path, "checkpoint.json")) as f:
+            held = json.load(f)["value"]
+    except (OSError, ValueError, KeyError):
+        held = None
+    worse = held is not None and (value <= held if args.best_mode == "max" else value >= held)
+    if worse or value != value:  # a tie keeps the earlier one; NaN is never the best
+        return
+    with staged(path, step, metric=args.best_metric, value=value) as folder:
+        call(trainers, "save", folder, step, False)
+    run.print(f"best: {args.best_metric} {value:.4g} at step {step}, in checkpoints/best")
+
+
+def finish(args, run, trainers, first: dict, last: dict, lines: dict[str, str], save=None) -> None:
+    """The end of every script's main: checkpoints/final in HF format (resumable too with
+    --save-every: a finished run can be extended with a larger --num-steps), a line for each metric
+    of `lines` from the first evaluation to the last, the run's logs closed, Ray shut down.
+    `save(step, name, with_optimizer)`: a script's own (ppo.py's: the critic too)."""
+    if args.save_final:
+        resumable = args.save_every > 0
+        if save:
+            save(args.num_steps, "final", resumable)
+        else:
+            with staged(run.checkpoint_dir("final"), args.num_steps) as folder:
+                call(trainers, "save", folder, args.num_steps, resumable)
+        run.print(f"final model: {run.checkpoint_dir('final')}")
+    for key, what in lines.items():
+        if first and key in first and key in last:
+            run.print(f"{what}: {first[key]:.3f} -> {last[key]:.3f}")
+    run.close()
+    ray.shutdown()

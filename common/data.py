@@ -10,8 +10,8 @@ import torch
 
 from common.errors import InputError
 from common.isolate import UserFunction
+from common.lifetime import REPO
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_TEMPLATE = ("the model's tokenizer has no chat template, and the data has message lists: use "
                "plain-text columns (sft.py and dpo.py: also --accuracy-dataset '', whose prompts "
                "are messages) or a model with a chat template")  # fmt: skip
@@ -21,7 +21,7 @@ STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own 
 
 def load_rows(spec: str, split: str = "train") -> tuple[list[dict], str]:
     """Rows and source of a local .jsonl/.json/.parquet file or folder, or a hub `name[:config]`."""
-    for path in (spec, os.path.join(REPO_ROOT, spec)):
+    for path in (spec, os.path.join(REPO, spec)):
         if os.path.exists(path):
             return _load_local(path, split), path
     if spec.endswith(_LOCAL_SUFFIXES) or spec.startswith((".", "/", "~")):

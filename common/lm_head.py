@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from common.memory import HEAD_CHUNK_BYTES
+HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens (the memory plan counts it)
 
 
 class TokenLogprobs(torch.autograd.Function):

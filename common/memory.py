@@ -17,12 +17,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.errors import InputError
-from common.flags import Engines
+from common.lm_head import HEAD_CHUNK_BYTES
 from common.precision import BYTES, SHORT, check_served_in, first_gpu
 
 GiB = 2**30
 CONTEXT = 1.0 * GiB  # per GPU process: its CUDA context, workspaces (0.8 on an H200: benchmarks.md)
-HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens in the LM head (lm_head.py)
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,7 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
     --max-tokens-per-micro-batch; longest: prompt + response; entropy: H_t, a head chunk more;
     teacher: distill.py's frozen model's folder). CPU: each engine's KV cache holds a prompt +
     response (else vLLM won't start), and all fit in RAM."""
-    engines = flags.num_engines if isinstance(flags, Engines) else 0
+    engines = getattr(flags, "num_engines", 0)  # the RL scripts'
     if not use_gpu and engines:
         shape = shape_of(policy)
         blocks = math.ceil(longest / 128) + 1  # vLLM's CPU blocks of 128 tokens, one kept empty
@@ -269,15 +268,3 @@ def engine_memory(flags, use_gpu: bool = True, colocate: bool = False) -> float:
     if use_gpu and (flags.engine_memory or 0) > 1:  # the one check of the flag, in check_machine
         raise InputError("--engine-memory is a fraction of each GPU's memory: at most 1")
     return flags.engine_memory or ((0.4 if colocate else 0.85) if use_gpu else 1.0)
-
-
-def to_device(model, optimizer, device) -> None:
-    """Park a model (FSDP2 shards stay registered) and its optimizer's state (AdamW's step stays a
-    CPU scalar) in host RAM ("cpu"), or bring them back to `device`."""
-    model.to(device)
-    for state in optimizer.state.values() if optimizer is not None else ():
-        for key, value in state.items():
-            if hasattr(value, "dim") and value.dim() > 0:
-                state[key] = value.to(device)
-    if str(device) == "cpu" and torch.cuda.is_available():  # the freed GPU memory to the others
-        torch.cuda.empty_cache()

@@ -16,7 +16,6 @@ from transformers import AutoModelForSequenceClassification as AutoScoreModel
 
 from common.data import quiet_hub_logs
 from common.errors import InputError
-from common.memory import to_device
 from common.precision import compute_dtype
 
 BUILTIN_MODEL, _GGUF_FILE = "builtin:SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -147,3 +146,15 @@ class RewardModel:
         if self.offload:
             to_device(self.model, None, "cpu")
         return out
+
+
+def to_device(model, optimizer, device) -> None:
+    """Park a model (FSDP2 shards stay registered) and its optimizer's state (AdamW's step stays a
+    CPU scalar) in host RAM ("cpu"), or bring them back to `device`."""
+    model.to(device)
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for key, value in state.items():
+            if hasattr(value, "dim") and value.dim() > 0:
+                state[key] = value.to(device)
+    if str(device) == "cpu" and torch.cuda.is_available():  # the freed GPU memory to the others
+        torch.cuda.empty_cache()

@@ -20,7 +20,6 @@ from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common import lifetime
-from common.data import REPO_ROOT
 from common.errors import InputError, RunError, stop_on_signals
 
 RPC_TIMEOUT_S = float(os.environ.get("POSTTRAIN_RPC_TIMEOUT", 3600))
@@ -71,7 +70,7 @@ def init_ray(num_bundles: int = 0) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")  # `ray job`'s env_vars: `env` wins
     # Actors import `common` and the scripts' modules: the repo is importable wherever they start.
-    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    pythonpath = os.pathsep.join(p for p in (lifetime.REPO, os.environ.get("PYTHONPATH")) if p)
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     env = {"PYTHONPATH": pythonpath, **quiet, "TRANSFORMERS_VERBOSITY": "error"}
     env.update([lifetime.mark_run().split("=", 1)])  # every process of the run: its marker
@@ -196,22 +195,22 @@ def rendezvous_address(pg, bundle: int = 0) -> tuple[str, int]:
     return ray.get(_free_address.options(scheduling_strategy=strategy).remote(), timeout=60)
 
 
-def spawn_trainers(actor_cls, pg, slots: list[Slot], *args) -> list:
+def spawn_trainers(actor_cls, pg, slots: list[Slot], *args, **kwargs) -> list:
     """One `actor_cls` per slot (rank r in slots[r]) as actor_cls(*args, rank, world_size,
-    master_addr (rank 0's node), master_port), still loading on return: wait_started, or hand them
-    to spawn_engines (they load meanwhile). Its __init__ calls `init_distributed` with them."""
+    master_addr (rank 0's node), master_port, **kwargs), still loading on return: wait_started, or
+    hand them to spawn_engines (they load meanwhile). Its __init__ calls `init_distributed`."""
     addr, port = rendezvous_address(pg, slots[0].bundle)
-    return [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port)
+    return [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port, **kwargs)
             for r, s in enumerate(slots)]  # fmt: skip
 
 
-def start_trainers(actor_cls, use_gpu: bool, num_trainers: int, *args) -> list:
+def start_trainers(actor_cls, use_gpu: bool, num_trainers: int, *args, **kwargs) -> list:
     """Start Ray and place the trainer ranks alone (one GPU each, or a share of the CPU cores), as
     spawn_trainers, and wait for them: sft.py, rm.py, dpo.py. `args`: the shell's (trainer.py)."""
     layout = Layout(use_gpu, num_trainers)
     init_ray(len(layout.bundles))
     pg = make_placement_group(layout.bundles, use_gpu)
-    trainers = spawn_trainers(actor_cls, pg, layout.trainers, *args)
+    trainers = spawn_trainers(actor_cls, pg, layout.trainers, *args, **kwargs)
     wait_started(trainers)
     return trainers
 

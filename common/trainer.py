@@ -15,8 +15,8 @@ import torch.distributed.checkpoint.state_dict as sd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import checkpoint, lora, packed_attn, placement, weight_sync, weights
-from common.memory import to_device
+from common import checkpoint, lora, optim, packed_attn, placement, weight_sync
+from common.models import to_device
 from common.precision import LossScale, compute_dtype
 from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch, sp_groups
 
@@ -95,44 +95,49 @@ def lr_at(step: int, peak: float, warmup_steps: int, num_steps: int, min_lr_rati
 
 
 class Trainer:
-    def __init__(self, load, paths: tuple, settings: dict, args, rank, world, addr, port):
+    averaged = True  # --ema-beta keeps θ_ema of this model (the Critic: no)
+
+    def __init__(self, load, policy: str, start: str, args, rank, world, addr, port, *, frozen=(),
+                 whole=(), learning_rate=None, offload=False):  # fmt: skip
         """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader for
-        paths[0] (the model, or the checkpoint to resume); paths[1]: the start model (π_ref, LoRA's
-        base). `settings`, by name: seed, sp_size, dtype, gradient_checkpointing, lora (lora.spec),
-        optimizer, ema (β_ema), weight_decay, max_grad_norm, the schedule (lr_at: learning_rate,
-        warmup_steps, num_steps, min_lr_ratio), frozen (names, (name, folder)s), colocate (an engine
-        shares this GPU), offload (the model waits in host RAM between calls). `args`: the flags."""
-        s = self.settings = settings
-        self.args, self.rank, self.world_size = args, rank, world
+        `policy` (the model, or the checkpoint to resume); `start`: the start model (π_ref, LoRA's
+        base). From `args`, the script's flags: Resources (seed, sp_size, dtype,
+        gradient_checkpointing), LoRA, Optimization (optimizer, the schedule's warm-up and floor,
+        weight decay, gradient clip, ema_beta), learning_rate, num_steps, colocate (an engine shares
+        this GPU) where the script has it. By keyword: `frozen`, the frozen models (names, or (name,
+        folder)s); `whole`, modules LoRA trains whole (a score head); `learning_rate` (the critic's
+        own); `offload` (the memory plan's: the model waits in host RAM between calls)."""
+        self.args, self.rank, self.world_size, self.offload = args, rank, world, offload
+        self.learning_rate = learning_rate or args.learning_rate
         self.device = placement.init_distributed(rank, world, addr, port)
-        torch.manual_seed(s["seed"])
-        self.tokenizer = AutoTokenizer.from_pretrained(paths[0])
-        adapters = lora.adapters(s["lora"], paths[1], paths[0])  # on the start model
-        self.model = load(paths[0], self.device, s["gradient_checkpointing"], adapters, s["dtype"])
-        self.sp = sp_groups(world, s["sp_size"])  # DP x SP: ranks [k*sp, (k+1)*sp) share shard k
+        torch.manual_seed(args.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(policy)
+        adapters = lora.adapters(lora.spec(args, whole), start, policy)  # on the start model
+        self.model = load(policy, self.device, args.gradient_checkpointing, adapters, args.dtype)
+        self.sp = sp_groups(world, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share shard k
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         # π_ref: a frozen copy of the start model (also on --resume), named by the values it gives;
         # (name, folder): a frozen other model (distill.py's teacher; folder None: the start model)
-        frozen = [f if isinstance(f, tuple) else (f, None) for f in s["frozen"]]
-        self.frozen = {n: self.frozen_model(load, p, paths[1], adapters) for n, p in frozen}
-        lr, decay = s["learning_rate"], s["weight_decay"]  # LoRA: only the adapters are trained
-        self.optimizer = weights.make_optimizer(self.model, s.get("optimizer", "adamw"), lr, decay)
-        self.ema = s.get("ema") and weights.ema_start(  # θ_ema: this rank's shards of it
-            self.model, load, paths[0], self.device, s["dtype"])  # fmt: skip
-        self.loss_scale = LossScale(compute_dtype(self.device, s["dtype"]))  # float16 only
+        frozen = [f if isinstance(f, tuple) else (f, None) for f in frozen]
+        self.frozen = {n: self.frozen_model(load, p, start, adapters) for n, p in frozen}
+        decay = args.weight_decay  # LoRA: only the adapters are trained
+        self.optimizer = optim.make_optimizer(self.model, args.optimizer, self.learning_rate, decay)
+        self.ema = self.averaged and args.ema_beta and optim.ema_start(  # θ_ema: this rank's shards
+            self.model, load, policy, self.device, args.dtype)  # fmt: skip
+        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
         self.on_gpu(False)
 
     def frozen_model(self, load, path: str | None, start: str, adapters):
         if adapters and path is None:  # the start: the policy with its adapters off, no second copy
             return lora.Disabled(self.model)
-        frozen = load(path or start, self.device, False, None, self.settings["dtype"])
+        frozen = load(path or start, self.device, False, None, self.args.dtype)
         enable_ring_attention(frozen.eval().requires_grad_(False), self.sp.group)
         return frozen
 
     def run(self, fn, *args):
         """A script's function on this rank, as fn(trainer, *args): its update, its evaluation."""
         out = fn(self, *args)
-        if self.settings.get("colocate"):  # the cached memory back: the engine on this GPU wakes
+        if getattr(self.args, "colocate", False):  # the cached memory back: the engine here wakes
             torch.cuda.empty_cache()
         return out
 
@@ -149,13 +154,12 @@ class Trainer:
         """Clip the global gradient norm and step; a non-finite norm (the same on every rank) stops
         every rank before the update: weights never NaN. float16: unscaled first; an overflow skips
         the update, lowers the loss scale. Returns the norm (0: skipped); sets self.lr, the rate."""
-        keys = ("learning_rate", "warmup_steps", "num_steps", "min_lr_ratio")
-        self.lr = lr_at(step, *(self.settings[k] for k in keys))
+        a = self.args
+        self.lr = lr_at(step, self.learning_rate, a.warmup_steps, a.num_steps, a.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         self.loss_scale.unscale(self.model.parameters())
-        max_norm = self.settings["max_grad_norm"]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if self.loss_scale.skip(grad_norm, step):
             self.optimizer.zero_grad(set_to_none=True)
@@ -166,16 +170,16 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema:
-            weights.ema_update(self.ema, self.model, self.settings["ema"])
+            optim.ema_update(self.ema, self.model, a.ema_beta)
         return grad_norm.item()
 
     def on_gpu(self, needed: bool):
         """`offload` (the memory plan's choice): model and optimizer wait in host RAM when idle."""
-        if self.settings.get("offload"):
+        if self.offload:
             to_device(self.model, self.optimizer, self.device if needed else "cpu")
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int, tp, merge):
-        dtype = compute_dtype(self.device, self.settings["dtype"])  # the engines'
+        dtype = compute_dtype(self.device, self.args.dtype)  # the engines'
         args = (self.model, self.tokenizer, engines, backend, self.rank, (addr, port), tp, dtype)
         self.weight_sync = weight_sync.init_weight_sync(*args, merge)
 
@@ -190,9 +194,9 @@ class Trainer:
         args = self.model, self.optimizer, self.tokenizer, path, step, with_optimizer
         checkpoint.save(*args, loss_scale=scale)
         if self.ema:  # θ_ema beside it: an HF folder of its own, ema/
-            weights.ema_swap(self)
+            optim.ema_swap(self)
             checkpoint.save(self.model, None, self.tokenizer, f"{path}/ema", step, False)
-            weights.ema_swap(self)
+            optim.ema_swap(self)
 
     def load_optimizer(self, path: str):
         """Rank 0 reads the checkpoint's optimizer state, each rank keeps its shard; the loss scale
@@ -208,7 +212,9 @@ class Trainer:
 
 
 class Critic(Trainer):
-    """ppo.py's value model V_φ: the same shell under its own name (errors say Critic#i)."""
+    """ppo.py's value model V_φ: the same shell under its own name (errors say Critic#i), no EMA."""
+
+    averaged = False
 
 
 Trainer, Critic = ray.remote(Trainer), ray.remote(Critic)

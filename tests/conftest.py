@@ -271,6 +271,25 @@ def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 
     return result.stdout
 
 
+def shell(module, args, path: str) -> tuple:
+    """A script's trainer shell inputs on `path` as its start_actors passes them: (the loader, what
+    it loads, the start model, args) and the keywords (its frozen models; rm.py: the score head)."""
+    loader = getattr(module, "load_policy", None) or module.load_reward_model
+    if hasattr(module, "frozen_models"):
+        kwargs = dict(frozen=module.frozen_models(args))
+    else:  # sft.py none, dpo.py and ppo.py's policy π_ref, rm.py its head trained whole
+        name = module.__name__
+        kwargs = dict(frozen=["ref_logprobs"] if name in ("dpo", "ppo") else [])
+        kwargs |= dict(whole=["score"]) if name == "rm" else {}
+    return (loader, path, path, args), kwargs
+
+
+def trainer_rank(module, args, path: str, addr: str, port: int):
+    """Rank 0 of 1 of a script's trainer shell, in this process (one_rank_group's address)."""
+    positional, kwargs = shell(module, args, path)
+    return module.Trainer.__ray_actor_class__(*positional, 0, 1, addr, port, **kwargs)
+
+
 @pytest.fixture
 def one_rank_group():
     """A free local port for a world-1 gloo group in this process (a script's Trainer built without

@@ -18,7 +18,7 @@ from conftest import REPO
 from safetensors.torch import save_file
 
 from common import placement
-from common.errors import parse_args
+from common.flags import parse_args
 
 SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 RL = ["grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
@@ -591,7 +591,7 @@ def test_a_step_batch_larger_than_the_data_is_refused(run, name):
 def test_flags_that_do_not_parse_get_one_line(name):
     """What tyro answers with a box and exit status 2 gets one `error:` line (the scripts' own
     parse_args); integers past INT_MAX are out of range like any other value."""
-    from common.errors import parse_args
+    from common.flags import parse_args
 
     module = importlib.import_module(name)
     cases = [

@@ -18,6 +18,7 @@ from conftest import (
     read_jsonl,
     run_script,
     tagged_diff,
+    trainer_rank,
 )
 
 import distill
@@ -141,8 +142,7 @@ def test_teacher_and_student_logprobs_equal_a_plain_forward(
     addr, port = one_rank_group
     args = distill.Args(teacher=tiny_model_untied, temperature=0.7)
     distill.validate_args(args)
-    shell = distill.trainer_shell(args, tiny_model, tiny_model)
-    trainer = distill.Trainer.__ray_actor_class__(*shell, 0, 1, addr, port)
+    trainer = trainer_rank(distill, args, tiny_model, addr, port)
     prompts, responses = [[5, 6, 7], [9, 10, 11, 12]], [[20, 21, 22, 23], [30, 31]]
     seqs = [distill.make_sequence(p, r, token=range(a, a + len(r)))
             for p, r, a in zip(prompts, responses, [0, 4])]  # fmt: skip

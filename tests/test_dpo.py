@@ -7,7 +7,14 @@ import os
 import pytest
 import ray
 import torch
-from conftest import assert_same_training, only_run_dir, read_jsonl, run_script, start_ray_cpu
+from conftest import (
+    assert_same_training,
+    only_run_dir,
+    read_jsonl,
+    run_script,
+    shell,
+    start_ray_cpu,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -89,9 +96,8 @@ def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_siz
     start_ray_cpu()
     layout = Layout(False, trainers=world_size)
     pg = make_placement_group(layout.bundles, use_gpu=False)
-    trainers = spawn_trainers(
-        dpo.Trainer, pg, layout.trainers, *dpo.trainer_shell(args, model_path, model_path)
-    )
+    positional, kwargs = shell(dpo, args, model_path)
+    trainers = spawn_trainers(dpo.Trainer, pg, layout.trainers, *positional, **kwargs)
     losses = []
     for step in range(steps):
         batch = pairs[step * 8 : (step + 1) * 8]

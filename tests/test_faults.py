@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import REPO, only_run_dir, read_jsonl, run_script
+from conftest import REPO, only_run_dir, read_jsonl, run_script, trainer_rank
 
 from common import checkpoint
 from common.data import split_for_ranks
@@ -268,20 +268,18 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(one_rank_group, tin
     args = module.Args(learning_rate=1e-3)
     nan = float("nan")
     if name == "ppo-critic":
-        critic = module.trainer_shells(args, dict.fromkeys(PPO_PATHS, tiny_model), False)[1]
-        actor = module.Critic.__ray_actor_class__(*critic, 0, 1, addr, port)
+        critic = module.load_critic, tiny_model, tiny_model, args, 0, 1, addr, port
+        actor = module.Critic.__ray_actor_class__(*critic, whole=["score"])
         seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[1.0] * 2, returns=[nan] * 2,
                                    old_values=[0.0] * 2, loss_weights=[0.5] * 2)  # fmt: skip
         call = lambda: module.critic_train_step(actor, split_for_ranks([seq], 1, 64), 0)  # noqa: E731
     elif name == "ppo":
-        policy = module.trainer_shells(args, dict.fromkeys(PPO_PATHS, tiny_model), False)[0]
-        actor = module.Trainer.__ray_actor_class__(*policy, 0, 1, addr, port)
+        actor = trainer_rank(module, args, tiny_model, addr, port)
         seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2,
                                    old_logprobs=[-1.0] * 2)  # fmt: skip
         call = lambda: module.train_step(actor, split_for_ranks([seq], 1, 64), 0)  # noqa: E731
     else:
-        shell = module.trainer_shell(args, tiny_model, tiny_model)
-        actor = module.Trainer.__ray_actor_class__(*shell, 0, 1, addr, port)
+        actor = trainer_rank(module, args, tiny_model, addr, port)
     if name in ("grpo", "dapo"):
         seq = module.make_sequence([5, 6, 7], [8, 9], advantages=[nan] * 2, loss_weights=[0.5] * 2,
                                    engine_logprobs=[-1.0] * 2)  # fmt: skip
@@ -392,14 +390,14 @@ def test_a_checkpoint_killed_while_it_is_written_is_absent_not_partial(tmp_path,
 # "rename" takes away renameat2, as on file systems that cannot swap (NFS). Prints [k, status].
 REPLACE_BEST = """
 import json, os, signal, sys, types
-from common import checkpoint, weights
+from common import checkpoint
 root, how = sys.argv[1], sys.argv[2]
 if how == "rename":
     checkpoint.ctypes = types.SimpleNamespace(CDLL=lambda *a, **kw: object())
 def save(trainers, method, folder, step, with_optimizer):
     with open(os.path.join(folder, "weights"), "w") as f:
         f.write(f"step {step} " * 1000)
-weights.call = save
+checkpoint.call = save
 args = types.SimpleNamespace(best_metric="eval/accuracy", best_mode="max")
 def hook(event, _):
     global seen
@@ -416,7 +414,7 @@ for k in range(1, 200):
         seen = 0
         sys.addaudithook(hook)
         run = types.SimpleNamespace(checkpoint_dir=lambda name: best, print=print)
-        weights.keep_best(args, run, {"eval/accuracy": 0.9}, 2, [])
+        checkpoint.keep_best(args, run, {"eval/accuracy": 0.9}, 2, [])
         os._exit(0)
     status = os.waitpid(pid, 0)[1]
     print(json.dumps([k, status]), flush=True)

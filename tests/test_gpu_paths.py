@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import tyro
-from conftest import REPO
+from conftest import REPO, trainer_rank
 from transformers import LlamaConfig
 
 from common import trainer as common_model
@@ -116,12 +116,7 @@ def test_colocated_trainer_frees_cuda_cache_after_train_step(
     module = importlib.import_module(name)
     addr, port = one_rank_group
     args = module.Args(colocate=True, learning_rate=1e-4)
-    if name == "ppo":
-        paths = dict.fromkeys(("policy", "reference", "critic", "critic_start"), tiny_model)
-        shell = module.trainer_shells(args, paths, False)[0]
-    else:
-        shell = module.trainer_shell(args, tiny_model, tiny_model)
-    trainer = module.Trainer.__ray_actor_class__(*shell, 0, 1, addr, port)
+    trainer = trainer_rank(module, args, tiny_model, addr, port)
     extra = {"old_logprobs": -1.0} if name == "ppo" else {"engine_logprobs": -1.0}
     micro_batches = one_micro_batch(module, advantages=1.0, loss_weights=0.5, **extra)
     freed = []

@@ -18,6 +18,7 @@ from conftest import (
     parity_reward,
     read_jsonl,
     run_script,
+    shell,
 )
 from ray.cluster_utils import Cluster
 from transformers import AutoModelForCausalLM
@@ -164,9 +165,8 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     )  # fmt: skip
     layout = Layout(False, trainers=2, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=False)
-    trainers = spawn_trainers(
-        grpo.Trainer, pg, layout.trainers, *grpo.trainer_shell(args, path, path)
-    )
+    positional, kwargs = shell(grpo, args, path)
+    trainers = spawn_trainers(grpo.Trainer, pg, layout.trainers, *positional, **kwargs)
     engines = spawn_engines(
         pg,
         layout.engines,

@@ -449,7 +449,7 @@ def test_parse_call_reads_both_formats():
 RUNNER = """import sys
 sys.path.insert(0, {repo!r})
 import grpo_tools
-from common.errors import parse_args
+from common.flags import parse_args
 
 # The functions a user edits, edited for a random tiny model, which never writes a call: a turn
 # ends at a space (the stop string) and calls the tool when its text has an odd length.

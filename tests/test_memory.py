@@ -12,7 +12,7 @@ import torch
 from conftest import REPO
 
 from benchmark import memory_plan
-from common import memory
+from common import memory, models
 from common.memory import GiB, Job
 
 H100 = memory_plan.H100
@@ -229,8 +229,8 @@ def test_a_parked_model_trains_on_as_before(one_rank_group, tiny_model):
             optimizer.zero_grad()
             losses[moved].append(loss.item())
             if moved:
-                memory.to_device(model, optimizer, "cpu")
-                memory.to_device(model, optimizer, torch.device("cpu"))
+                models.to_device(model, optimizer, "cpu")
+                models.to_device(model, optimizer, torch.device("cpu"))
     assert losses[True] == losses[False] and losses[True][0] != losses[True][-1]
 
 
@@ -261,12 +261,12 @@ def test_a_parked_model_gives_its_gpu_memory_back(one_rank_group, tiny_model):
             losses[moved].append(loss.item())
             if moved:
                 held = torch.cuda.memory_allocated()
-                memory.to_device(model, optimizer, "cpu")
+                models.to_device(model, optimizer, "cpu")
                 states = (
                     sum(p.numel() for p in model.parameters()) * 12
                 )  # fp32 weights + AdamW's two moments
                 assert held - torch.cuda.memory_allocated() >= 0.9 * states
-                memory.to_device(model, optimizer, torch.device("cuda", 0))
+                models.to_device(model, optimizer, torch.device("cuda", 0))
         del model, optimizer
     assert losses[True] == losses[False]
 

@@ -1,4 +1,4 @@
-"""common/weights.py's --optimizer: Muon's step against torch.optim.Muon's, the AdamW groups against
+"""common/optim.py's --optimizer: Muon's step against torch.optim.Muon's, the AdamW groups against
 torch.optim.AdamW, which parameter goes where, and Muon under FSDP2 on 2 gloo ranks (rows split
 unevenly) against one unsharded copy, resumed exactly from get/set_optimizer_state_dict."""
 
@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from common.errors import InputError
-from common.weights import NS_COEFFICIENTS, NS_STEPS, Muon, make_optimizer, newton_schulz
+from common.optim import NS_COEFFICIENTS, NS_STEPS, Muon, make_optimizer, newton_schulz
 
 HIDDEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import trainer_rank
 from transformers import AutoConfig
 
 from benchmark import memory_plan
@@ -159,9 +160,7 @@ def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scalin
         if dist.is_initialized():
             dist.destroy_process_group()
         args = grpo.Args(dtype=dtype, learning_rate=1e-3)
-        trainer = grpo.Trainer.__ray_actor_class__(
-            *grpo.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
-        )
+        trainer = trainer_rank(grpo, args, tiny_model, addr, port)
         if scale is not None:
             trainer.loss_scale.value = scale
         norms[name] = grpo.train_step(trainer, [one_micro_batch(grpo, 1e-6)], 0)["grad_norms"]
@@ -195,9 +194,7 @@ def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scalin
     trainer.save(str(tmp_path / "step_3"), 3, with_optimizer=True)
     dist.destroy_process_group()
     args = grpo.Args(dtype="float16", learning_rate=1e-3)
-    resumed = grpo.Trainer.__ray_actor_class__(
-        *grpo.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
-    )
+    resumed = trainer_rank(grpo, args, tiny_model, addr, port)
     assert resumed.loss_scale.value == 2.0**16
     resumed.load_optimizer(str(tmp_path / "step_3"))
     assert (resumed.loss_scale.value, resumed.loss_scale.good) == (2.0**10, 7)

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, tagged_diff
+from conftest import REPO, tagged_diff, trainer_rank
 from test_labs import plumbing_edits
 
 from common.data import split_for_ranks
-from common.errors import check_ranges, flag_ranges
+from common.flags import check_flags, flag_ranges
 from common.ring_attn import Responses
 
 TAG = re.compile(r"# DRGRPO \(([a-z-]+)\)")
@@ -67,7 +67,7 @@ def test_the_checklist_makes_a_variant_that_passes_the_variant_checks(tmp_path):
         flag_ranges(drgrpo.Args)["norm_length"] == ">= 1"
     )  # the new flag's range sits on the flag
     with pytest.raises(SystemExit, match="--norm-length must be >= 1"):
-        check_ranges(drgrpo.Args(norm_length=0))
+        check_flags(drgrpo.Args(norm_length=0))
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
     assert drgrpo.compute_advantages(rewards, 4).tolist() == [0.75, -0.25, -0.25, -0.25]
     args = drgrpo.Args(norm_length=8)
@@ -119,9 +119,7 @@ def test_an_entropy_bonus_is_a_few_lines_and_its_gradient_raises_the_entropy(
 
     addr, port = one_rank_group
     args = module.Args(entropy_coef=1.0, learning_rate=1e-4, warmup_steps=0, max_grad_norm=100.0)
-    trainer = module.Trainer.__ray_actor_class__(
-        *module.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
-    )
+    trainer = trainer_rank(module, args, tiny_model, addr, port)
     seq = module.make_sequence([5, 6, 7], [8, 9, 10, 11], advantages=[0.0] * 4,
                                loss_weights=[0.25] * 4, engine_logprobs=[-1.0] * 4)  # fmt: skip
     entropies = []
@@ -254,9 +252,7 @@ def test_gspo_worked_example_clips_whole_responses(tmp_path, one_rank_group, tin
 
     addr, port = one_rank_group
     args = gspo.Args(learning_rate=1e-12, warmup_steps=0)  # the weights stay where they are
-    trainer = gspo.Trainer.__ray_actor_class__(
-        *gspo.trainer_shell(args, tiny_model, tiny_model), 0, 1, addr, port
-    )
+    trainer = trainer_rank(gspo, args, tiny_model, addr, port)
     seqs = [gspo.make_sequence([5, 6, 7], list(r), advantages=[a] * len(r), loss_weights=[w] * len(r),
                                engine_logprobs=[-100.0] * len(r))  # TIS weight: C, all
             for r, a, w in (([8, 9], 1.0, 1 / 4), ([10, 11, 12], -1.0, 1 / 6))]  # fmt: skip

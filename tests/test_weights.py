@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
-from conftest import only_run_dir, read_jsonl, run_script
+from conftest import only_run_dir, read_jsonl, run_script, trainer_rank
 from safetensors.torch import load_file
 
 import sft
 from common.data import split_for_ranks
-from common.weights import ema_swap
+from common.optim import ema_swap
 
 
 def weights(folder) -> dict:
@@ -25,8 +25,7 @@ def test_ema_is_the_closed_form_and_swaps_back_exactly(one_rank_group, tiny_mode
     cannot change the training)."""
     addr, port = one_rank_group
     args = sft.Args(learning_rate=1e-2, warmup_steps=0, ema_beta=0.6)
-    shell = sft.trainer_shell(args, tiny_model, tiny_model)
-    trainer = sft.Trainer.__ray_actor_class__(*shell, 0, 1, addr, port)
+    trainer = trainer_rank(sft, args, tiny_model, addr, port)
     params = lambda: [p.detach().to_local().clone() for p in trainer.model.parameters()]  # noqa: E731
     thetas = [params()]
     seq = sft.make_sequence([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1, 1])

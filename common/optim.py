@@ -1,49 +1,16 @@
-"""The weights' flags, in every script (docs/weights.md): how they step (--optimizer: AdamW, or Muon
-on the hidden matrices), their running average (--ema-beta, --eval-ema: kept where the shards live),
-which are kept best (--best-metric). The trainer shell and the scripts' loops call what is here."""
+"""How the trainer shell steps the weights (the Optimization flags, docs/weights.md): --optimizer,
+AdamW or Muon on the hidden matrices; --ema-beta, a running average of them kept where the shards
+live (--eval-ema evaluates it). common/trainer.py and the scripts' evaluations call what is here."""
 
 import contextlib
-import dataclasses
-import json
 import math
 import os
-import re
-from typing import Annotated, Literal
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from common.checkpoint import staged
 from common.errors import InputError
 from common.placement import call
-
-
-@dataclasses.dataclass
-class Weights:  # after the script's own flags' groups in `class Args(Weights, LoRA, ...)`
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    """adamw; muon (Jordan 2024): the decoder layers' 2-D matrices step by their orthogonalised
-    momentum, AdamW the rest (embeddings, head, norms, biases)"""
-    ema_beta: Annotated[float, ">= 0, < 1"] = 0.0
-    """β_ema: θ_ema ← β_ema θ_ema + (1 - β_ema) θ after each optimizer step, saved in every
-    checkpoint's ema/ (an HF folder) and resumed (0: off)"""
-    eval_ema: bool = False
-    """evaluate θ_ema, not θ (needs --ema-beta); --best-metric then ranks θ_ema"""
-    best_metric: str | None = None
-    """keep checkpoints/best, the weights of the evaluation that did best on this eval/ metric (e.g.
-    eval/accuracy; its step and value in checkpoint.json)"""
-    best_mode: Literal["max", "min"] = "max"
-    """--best-metric: higher (max) or lower (min) is better"""
-
-    def check_weights_flags(self):
-        """These flags together (checkpoint.check_start calls it: every script, first)."""
-        if self.best_metric is not None and not re.fullmatch(r"eval/\S+", self.best_metric):
-            raise InputError(f"--best-metric must be eval/<name> (got {self.best_metric!r})")
-        if self.eval_ema and not self.ema_beta:
-            raise InputError("--eval-ema needs --ema-beta (the EMA is off)")
-        if getattr(self, "lora_rank", 0) and (self.ema_beta or self.optimizer == "muon"):
-            flag = "--ema-beta averages" if self.ema_beta else "--optimizer muon orthogonalises"
-            raise InputError(f"{flag} whole matrices, not LoRA's adapters: leave out --lora-rank")
-
 
 # ---- --optimizer: Muon (Jordan 2024, kellerjordan.github.io/posts/muon; Liu et al. 2025, arXiv
 # 2502.16982) on the hidden 2-D matrices, AdamW on the rest, as both papers and torch.optim.Muon do
@@ -172,27 +139,3 @@ def ema_weights(trainers: list, sync=None, on: bool = True):
         yield
     finally:
         swap()
-
-
-# ---- --best-metric ----
-def keep_best(args, run, metrics: dict, step: int, trainers: list) -> None:
-    """An evaluation better than checkpoints/best's (its checkpoint.json) replaces it by the
-    trainers' weights (θ_ema in ema/ with --ema-beta), swapped in whole (checkpoint.staged): a
-    kill at any moment leaves the old best or the new one."""
-    if not args.best_metric or not any(k.startswith("eval/") for k in metrics):
-        return
-    if (value := metrics.get(args.best_metric)) is None:
-        given = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
-        raise InputError(f"--best-metric {args.best_metric}: this run evaluates {given}")
-    path = run.checkpoint_dir("best")
-    try:
-        with open(os.path.join(path, "checkpoint.json")) as f:
-            held = json.load(f)["value"]
-    except (OSError, ValueError, KeyError):
-        held = None
-    worse = held is not None and (value <= held if args.best_mode == "max" else value >= held)
-    if worse or value != value:  # a tie keeps the earlier one; NaN is never the best
-        return
-    with staged(path, step, metric=args.best_metric, value=value) as folder:
-        call(trainers, "save", folder, step, False)
-    run.print(f"best: {args.best_metric} {value:.4g} at step {step}, in checkpoints/best")
