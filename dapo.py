@@ -135,9 +135,10 @@ def compute_logprobs(
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # log π(y_t) (, H_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    return out.logits.unbind(-1) if entropy else out.logits  # (N,) (, (N,))
+    logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
+    return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -341,18 +342,18 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 model.set_requires_gradient_sync(i == len(mini) - 1)
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
                 values = dict(mb["values"])
-                if "entropy" in policy_values(args):  # H_t, from the same forward
-                    logprobs, values["entropy"] = compute_logprobs(model, *inputs, *sampled, True)
-                else:
-                    logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
+                entropy = "entropy" in policy_values(args)  # H_t, from the same forward
+                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy)  # (N,)
+                if entropy:  # (N,) log π_θ and (N,) H_t
+                    logprobs, values["entropy"] = logprobs
                 if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
                     values["old_logprobs"] = logprobs.detach()
                 loss, token_stats = compute_loss(logprobs, values, args)
-                # loss_scale: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
-                real = mb["loss_scale"].item()
-                loss = loss * mb["loss_scale"]
+                # real: 1, or 0 for a filler micro-batch that keeps ranks in lock-step
+                real = mb["real"].item()
+                loss = loss * mb["real"]
                 # FSDP averages over ranks: undo it; float16: × the loss scale S
-                trainer.loss_scale.backward(loss * trainer.world_size)
+                trainer.scaler.backward(loss * trainer.world_size)
                 stats["loss"] += loss.item()
                 stats["tokens"] += len(logprobs) * real
                 if "entropy" in values:  # falling fast: entropy collapse
@@ -384,7 +385,7 @@ def main(args: Args):
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
     timeout = args.reward_timeout  # seconds one reward call may take
 
-    @ema_weights(trainers, lambda: sync_weights(trainers, engines, False), args.eval_ema)
+    @ema_weights(trainers, lambda: sync_weights(trainers, engines, colocated=False), args.eval_ema)
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}

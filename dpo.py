@@ -108,9 +108,10 @@ def compute_logprobs(
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # log π(y_t) (, H_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    return out.logits.unbind(-1) if entropy else out.logits  # (N,) (, (N,))
+    logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
+    return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -234,12 +235,12 @@ def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) ->
         # reduce-scatter gradients after the last micro-batch only
         trainer.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         losses, rewards = pair_losses(trainer, mb)
-        loss = losses.sum() * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
+        loss = losses.sum() * mb["real"]  # real: 0 for a filler micro-batch
         # the mean over the global batch's pairs; FSDP averages over ranks: undo it. SP: each
         # rank gets the gradient of its own tokens
-        trainer.loss_scale.backward(loss * trainer.world_size / num_pairs)
+        trainer.scaler.backward(loss * trainer.world_size / num_pairs)
         for key, value in pair_stats(losses.detach(), rewards).items():
-            stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
+            stats[key] = stats.get(key, 0.0) + float(value) * mb["real"].item()
     grad_norm = trainer.optimizer_step(step)
     return {**stats, "grad_norm": grad_norm, "lr": trainer.lr}
 
@@ -251,7 +252,7 @@ def eval_pairs(trainer, micro_batches: list[dict]) -> dict:
     stats = {}
     for mb in micro_batches:
         for key, value in pair_stats(*pair_losses(trainer, mb)).items():
-            stats[key] = stats.get(key, 0.0) + float(value) * mb["loss_scale"].item()
+            stats[key] = stats.get(key, 0.0) + float(value) * mb["real"].item()
     return stats
 
 

@@ -152,9 +152,10 @@ def compute_logprobs(
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # log π(y_t) (, H_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    return out.logits.unbind(-1) if entropy else out.logits  # (N,) (, (N,))
+    logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
+    return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -425,7 +426,7 @@ def policy_forward(trainer, minibatches: list[list[dict]]) -> list[dict]:
         inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
         logprobs = compute_logprobs(trainer.model, *inputs, *sampled).cpu()
         ref_logprobs = compute_logprobs(trainer.frozen["ref_logprobs"], *inputs, *sampled).cpu()
-        if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
+        if mb["real"].item():  # each token's sequence and place in it, for to_padded
             where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
             out.append({**where, "logprobs": logprobs, "ref_logprobs": ref_logprobs})
     return out
@@ -445,15 +446,15 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 model.set_requires_gradient_sync(i == len(mini) - 1)
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
                 values = response_values(mb)
-                if "entropy" in policy_values(args):  # H_t, from the same forward
-                    logprobs, values["entropy"] = compute_logprobs(model, *inputs, *sampled, True)
-                else:
-                    logprobs = compute_logprobs(model, *inputs, *sampled)  # (N,)
+                entropy = "entropy" in policy_values(args)  # H_t, from the same forward
+                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy)  # (N,)
+                if entropy:  # (N,) log π_θ and (N,) H_t
+                    logprobs, values["entropy"] = logprobs
                 loss, token_stats = compute_loss(logprobs, values, args)
-                real = mb["loss_scale"].item()  # 0: a filler micro-batch (ranks in lock-step)
-                loss = loss * mb["loss_scale"]
+                real = mb["real"].item()  # 0: a filler micro-batch (ranks in lock-step)
+                loss = loss * mb["real"]
                 # FSDP averages over ranks: undo it; float16: × the loss scale S
-                trainer.loss_scale.backward(loss * trainer.world_size)
+                trainer.scaler.backward(loss * trainer.world_size)
                 stats["policy_loss"] += loss.item()
                 stats["tokens"] += len(logprobs) * real
                 if "entropy" in values:  # falling fast: entropy collapse
@@ -474,7 +475,7 @@ def critic_forward(critic, minibatches: list[list[dict]]) -> list[dict]:
     for mb in [critic.local_part(mb) for mini in minibatches for mb in mini]:
         inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
         predicted = compute_values(critic.model, *inputs)
-        if mb["loss_scale"].item():  # each token's sequence and place in it, for to_padded
+        if mb["real"].item():  # each token's sequence and place in it, for to_padded
             where = {k: v.cpu() for k, v in response_values(mb, "seq_id", "tok").items()}
             out.append({**where, "values": predicted.cpu()})
     critic.on_gpu(False)
@@ -494,11 +495,11 @@ def critic_train_step(critic, minibatches: list[list[dict]], step: int) -> dict:
                 inputs = (mb["input_ids"], mb["position_ids"], mb["loss_mask"])
                 predicted = compute_values(model, *inputs)
                 loss, token_stats = compute_critic_loss(predicted, response_values(mb), args)
-                loss = loss * mb["loss_scale"]  # 0 for a filler micro-batch
-                critic.loss_scale.backward(loss * critic.world_size)
+                loss = loss * mb["real"]  # 0 for a filler micro-batch
+                critic.scaler.backward(loss * critic.world_size)
                 stats["value_loss"] += loss.item()
                 for key, value in token_stats.items():
-                    sums[key] += value.item() * mb["loss_scale"].item()
+                    sums[key] += value.item() * mb["real"].item()
             stats["grad_norm_sum"] += critic.optimizer_step(step)
     critic.on_gpu(False)
     return {**stats, "token_sums": dict(sums)}
@@ -525,7 +526,7 @@ def main(args: Args):
     sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
     timeout = args.reward_timeout  # seconds one reward call may take
 
-    @ema_weights(trainers, lambda: sync_weights(trainers, engines, False), args.eval_ema)
+    @ema_weights(trainers, lambda: sync_weights(trainers, engines, colocated=False), args.eval_ema)
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}

@@ -196,12 +196,12 @@ def train_step(trainer, micro_batches: list[dict], num_pairs: int, step: int) ->
         # reduce-scatter gradients after the last micro-batch only
         trainer.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         loss, pair_stats = compute_loss(*pair_rewards(trainer, mb))
-        loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
+        loss = loss * mb["real"]  # real: 0 for a filler micro-batch
         # the mean over the global batch's pairs; FSDP averages over ranks: undo it
-        trainer.loss_scale.backward(loss * trainer.world_size / num_pairs)
+        trainer.scaler.backward(loss * trainer.world_size / num_pairs)
         stats["loss"] += loss.item()
         for key, value in pair_stats.items():
-            stats[key] = stats.get(key, 0.0) + value.item() * mb["loss_scale"].item()
+            stats[key] = stats.get(key, 0.0) + value.item() * mb["real"].item()
     grad_norm = trainer.optimizer_step(step)
     return {**stats, "grad_norm": grad_norm, "lr": trainer.lr}
 
@@ -214,7 +214,7 @@ def eval_pairs(trainer, micro_batches: list[dict]) -> dict:
     for mb in micro_batches:
         chosen, rejected, margins = pair_rewards(trainer, mb)
         loss, pair_stats = compute_loss(chosen, rejected, margins)
-        real = mb["loss_scale"].item()  # 0 for a filler micro-batch
+        real = mb["real"].item()  # 0 for a filler micro-batch
         stats["loss"] += loss.item() * real
         for key, value in pair_stats.items():
             stats[key] = stats.get(key, 0.0) + value.item() * real

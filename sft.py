@@ -90,9 +90,10 @@ def compute_logprobs(
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
-    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # log π(y_t) (, H_t)
+    with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    return out.logits.unbind(-1) if entropy else out.logits  # (N,) (, (N,))
+    logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
+    return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
 
 def reward_fn(response: str, answer: str) -> float:
@@ -150,9 +151,9 @@ def train_step(trainer, micro_batches: list[dict], num_tokens: int, step: int) -
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
         loss = compute_loss(compute_logprobs(model, *inputs))
-        loss = loss * mb["loss_scale"]  # loss_scale: 0 for a filler micro-batch
+        loss = loss * mb["real"]  # real: 0 for a filler micro-batch
         # the token mean of the whole global batch; FSDP averages over ranks: undo it
-        trainer.loss_scale.backward(loss * trainer.world_size / num_tokens)
+        trainer.scaler.backward(loss * trainer.world_size / num_tokens)
         loss_sum += loss.item()
     grad_norm = trainer.optimizer_step(step)
     return {"loss": loss_sum, "grad_norm": grad_norm, "lr": trainer.lr}
@@ -165,7 +166,7 @@ def eval_loss(trainer, micro_batches: list[dict]) -> dict:
     loss_sum = tokens = 0.0
     for mb in [trainer.local_part(mb) for mb in micro_batches]:
         inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-        real = mb["loss_scale"].item()
+        real = mb["real"].item()
         loss_sum += compute_loss(compute_logprobs(trainer.model, *inputs)).item() * real
         tokens += mb["loss_mask"].sum().item() * real
     return {"loss": loss_sum, "tokens": tokens}

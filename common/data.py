@@ -272,8 +272,8 @@ def split_for_ranks(sequences: list[dict], num_ranks: int, max_tokens: int, sp_s
     num_micro = max(len(p) for p in packed)
     for p in packed:
         for mb in p:
-            mb["loss_scale"] = torch.tensor(1.0)
+            mb["real"] = torch.tensor(1.0)
         while len(p) < num_micro:  # FSDP's collectives need equal counts; repeats add no gradient
             filler = p[-1] if p else pack([sequences[0]], max_tokens)[0]
-            p.append({**filler, "loss_scale": torch.tensor(0.0)})
+            p.append({**filler, "real": torch.tensor(0.0)})
     return [p for p in packed for _ in range(sp_size)]  # per rank: [micro-batch]

@@ -124,7 +124,7 @@ class Trainer:
         self.optimizer = optim.make_optimizer(self.model, args.optimizer, self.learning_rate, decay)
         self.ema = self.averaged and args.ema_beta and optim.ema_start(  # θ_ema: this rank's shards
             self.model, load, policy, self.device, args.dtype)  # fmt: skip
-        self.loss_scale = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
+        self.scaler = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
         self.on_gpu(False)
 
     def frozen_model(self, load, path: str | None, start: str, adapters):
@@ -158,10 +158,10 @@ class Trainer:
         self.lr = lr_at(step, self.learning_rate, a.warmup_steps, a.num_steps, a.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
-        self.loss_scale.unscale(self.model.parameters())
+        self.scaler.unscale(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if self.loss_scale.skip(grad_norm, step):
+        if self.scaler.skip(grad_norm, step):
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0
         if not torch.isfinite(grad_norm):
@@ -186,11 +186,11 @@ class Trainer:
     def push_weights(self) -> int:
         return self.weight_sync.push()  # the bytes each engine received
 
-    def check_weights(self) -> float | None:  # rank 0 returns the gap; a stale engine stops the run
+    def probe_engines(self) -> float | None:  # rank 0: the gap; a stale engine stops the run
         return self.weight_sync.check()
 
     def save(self, path: str, step: int, with_optimizer: bool):  # a collective: rank 0 writes
-        scale = self.loss_scale.state_dict()
+        scale = self.scaler.state_dict()
         args = self.model, self.optimizer, self.tokenizer, path, step, with_optimizer
         checkpoint.save(*args, loss_scale=scale)
         if self.ema:  # θ_ema beside it: an HF folder of its own, ema/
@@ -208,7 +208,7 @@ class Trainer:
         scale = [state.get("loss_scale")]
         dist.broadcast_object_list(scale, src=0)
         if scale[0] is not None:
-            self.loss_scale.load_state_dict(scale[0])
+            self.scaler.load_state_dict(scale[0])
 
 
 class Critic(Trainer):

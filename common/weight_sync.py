@@ -40,7 +40,7 @@ def sync_weights(trainers: list, engines: list, colocated: bool) -> dict:
             if not awake:
                 raise RunError(f"{actor_names(engines)[i]} is still asleep after its wake-up")
     probing = time.perf_counter()
-    gap = call(trainers, "check_weights", watch=engines)[0]  # rank 0 compares
+    gap = call(trainers, "probe_engines", watch=engines)[0]  # rank 0 compares
     wake = woken - start + probing - sent_at
     seconds = dict(wake_s=wake, transfer_s=sent_at - woken, probe_s=time.perf_counter() - probing)
     return {"perf/sync_bytes": sent[0], "perf/sync_probe_gap": gap} | {

@@ -147,9 +147,9 @@ def test_pack_respects_budget_and_keeps_every_token():
 def test_split_for_ranks_equal_micro_batch_counts():
     shares = split_for_ranks(seqs([6, 5, 4]), num_ranks=2, max_tokens=8)  # [6]; [5], [4]
     assert len(shares[0]) == len(shares[1]) == 2
-    scales = sorted(mb["loss_scale"].item() for share in shares for mb in share)
+    scales = sorted(mb["real"].item() for share in shares for mb in share)
     assert scales == [0.0, 1.0, 1.0, 1.0]
-    real = [mb["input_ids"].shape[1] for share in shares for mb in share if mb["loss_scale"] > 0]
+    real = [mb["input_ids"].shape[1] for share in shares for mb in share if mb["real"] > 0]
     assert sum(real) == 15
     sp = split_for_ranks(seqs([6, 5, 4]), num_ranks=4, max_tokens=8, sp_size=2)  # DP 2 x SP 2
     assert len(sp) == 4 and sp[0] is sp[1] and sp[2] is sp[3] and sp[0] is not sp[2]

@@ -192,9 +192,7 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     micro_batches = [
         mb for share in batch[::sp_size] for mb in share[0]
     ]  # each data-parallel share once
-    real_tokens = sum(
-        mb["loss_mask"].sum().item() * mb["loss_scale"].item() for mb in micro_batches
-    )
+    real_tokens = sum(mb["loss_mask"].sum().item() * mb["real"].item() for mb in micro_batches)
     assert (
         sum(r["tokens"] for r in first) == real_tokens
     )  # with SP every response token is trained on one rank
@@ -204,7 +202,7 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     )
     assert max(r["logprob_diff_max"] for r in stale) > 1e-2
     call(trainers, "push_weights")
-    call(trainers, "check_weights")  # the probe after every push agrees
+    call(trainers, "probe_engines")  # the probe after every push agrees
     synced = call(
         trainers, grpo.train_step, 2, per_rank=rollout_batch(engines, prompts, 4, args, sp_size)
     )

@@ -342,7 +342,7 @@ def test_minibatches_are_packed_once_and_filled_by_token():
                     assert mb["returns"][0, ~m].abs().sum() == 0
                     seen += [
                         (int(i), int(t)) for i, t in zip(mb["seq_id"][0, m], mb["tok"][0, m])
-                    ] * int(mb["loss_scale"])
+                    ] * int(mb["real"])
         assert sorted(seen) == [
             (i, t) for i, n in enumerate((3, 1, 2, 4)) for t in range(n)
         ]  # every token once

@@ -162,10 +162,10 @@ def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scalin
         args = grpo.Args(dtype=dtype, learning_rate=1e-3)
         trainer = trainer_rank(grpo, args, tiny_model, addr, port)
         if scale is not None:
-            trainer.loss_scale.value = scale
+            trainer.scaler.value = scale
         norms[name] = grpo.train_step(trainer, [one_micro_batch(grpo, 1e-6)], 0)["grad_norms"]
         trainers[name] = trainer
-    assert trainers["fp16"].loss_scale.value == 2.0**16 and not trainers["fp32"].loss_scale.on
+    assert trainers["fp16"].scaler.value == 2.0**16 and not trainers["fp32"].scaler.on
     assert norms["fp32"] > 0 and norms["fp16"] == pytest.approx(norms["fp32"], rel=0.1)
     assert norms["fp16 unscaled"] < 0.1 * norms["fp32"]  # float16 alone loses them
     seen = []  # the compute really is fp16: what the first decoder layer's projections get
@@ -177,27 +177,27 @@ def test_float16_training_scales_the_loss_skips_overflows_and_stops_where_scalin
 
     trainer = trainers["fp16"]  # overflow: no update, half the scale, then on
     before = [p.detach().to_local().clone() for p in trainer.model.parameters()]
-    trainer.loss_scale.value = 2.0**40
+    trainer.scaler.value = 2.0**40
     assert grpo.train_step(trainer, [one_micro_batch(grpo, 0.5)], 1)["grad_norms"] == 0.0
-    assert trainer.loss_scale.value == 2.0**39
+    assert trainer.scaler.value == 2.0**39
     after = [p.detach().to_local() for p in trainer.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    trainer.loss_scale.value = 2.0**10
+    trainer.scaler.value = 2.0**10
     assert grpo.train_step(trainer, [one_micro_batch(grpo, 0.5)], 2)["grad_norms"] > 0
     # a non-finite loss (the forward overflowed) stops at once, the scale untouched: not 16 halvings
     with pytest.raises(FloatingPointError, match="non-finite loss in float16.*--dtype float32"):
         grpo.train_step(trainer, [one_micro_batch(grpo, float("nan"))], 3)
-    assert trainer.loss_scale.value == 2.0**10
+    assert trainer.scaler.value == 2.0**10
     # the scale is in the checkpoint: a resumed float16 run goes on at it, not at 2^16 again
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.loss_scale.good = 7
+    trainer.scaler.good = 7
     trainer.save(str(tmp_path / "step_3"), 3, with_optimizer=True)
     dist.destroy_process_group()
     args = grpo.Args(dtype="float16", learning_rate=1e-3)
     resumed = trainer_rank(grpo, args, tiny_model, addr, port)
-    assert resumed.loss_scale.value == 2.0**16
+    assert resumed.scaler.value == 2.0**16
     resumed.load_optimizer(str(tmp_path / "step_3"))
-    assert (resumed.loss_scale.value, resumed.loss_scale.good) == (2.0**10, 7)
+    assert (resumed.scaler.value, resumed.scaler.good) == (2.0**10, 7)
 
     scale = precision.LossScale(torch.float16, scale=1.0, interval=2)
     assert not scale.skip(torch.tensor(1.0), 0) and scale.value == 1.0

@@ -263,7 +263,7 @@ def test_shard_micro_batch_zigzag_layout():
     mb = {
         "input_ids": torch.arange(10)[None],
         "position_ids": torch.arange(10)[None],
-        "loss_scale": torch.tensor(1.0),
+        "real": torch.tensor(1.0),
     }
     shards = [shard_micro_batch(mb, r, 2) for r in range(2)]  # 10 tokens -> 12 = 4 chunks of 3
     assert shards[0]["input_ids"].tolist() == [[0, 1, 2, 9, 0, 0]]
@@ -271,7 +271,7 @@ def test_shard_micro_batch_zigzag_layout():
     assert shards[0]["position_ids"].tolist() == [
         [0, 1, 2, 9, 0, 1]
     ]  # the padding starts a new sequence
-    assert shards[0]["loss_scale"] is mb["loss_scale"]
+    assert shards[0]["real"] is mb["real"]
     assert shard_micro_batch(mb, 0, 1) is mb
 
 
@@ -287,7 +287,7 @@ def _train_step(model, micro_batches, num_tokens, world, sp):
         logprobs = compute_logprobs(
             model, mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"]
         )
-        loss = -logprobs.sum() * mb["loss_scale"]
+        loss = -logprobs.sum() * mb["real"]
         (loss * world / num_tokens).backward()
         loss_sum += loss.item()
     return loss_sum

@@ -32,8 +32,8 @@ EDITS = [  # (text of grpo.py, replacement): each hunk tagged, as step 3 asks
         "    return [[1.0 / (n * args.norm_length)] * length for length in response_lengths]\n",
     ),
     (
-        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n',
-        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n'
+        '    """peak learning rate (both halves of Muon too)"""\n',
+        '    """peak learning rate (both halves of Muon too)"""\n'
         '    norm_length: Annotated[int, ">= 1"] = 24  # DRGRPO (constant-norm): §3.2\n'
         '    """L: the constant every response\'s token sum is divided by"""\n',
     ),
@@ -86,8 +86,8 @@ ENTROPY_BONUS = [  # an entropy bonus (-α H_t in the loss): the hook's values["
         '    token_loss = tis * pg_loss - args.entropy_coef * values["entropy"]  # ENT (bonus)\n',
     ),
     (
-        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n',
-        '    max_grad_norm: Annotated[float, "> 0"] = 1.0\n'
+        '    """peak learning rate (both halves of Muon too)"""\n',
+        '    """peak learning rate (both halves of Muon too)"""\n'
         '    entropy_coef: Annotated[float, ">= 0"] = 0.01  # ENT (bonus): the weight α of H_t\n'
         '    """α: weight of the entropy bonus -α H_t in the loss"""\n',
     ),
