@@ -104,9 +104,12 @@ class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s fla
     # DISTILL (advantage): no β KL to a reference: the teacher is what the student is held to
     tis_cap: Annotated[float, ">= 1"] = 2.0
     """C: cap of the truncated importance weight π_θold / π_vllm (IcePop: its band is [1/C, C])"""
-    is_correction: Literal["tis", "icepop"] = "tis"
+    is_correction: Literal["tis", "icepop", "seq-mask"] = "tis"
     """how tokens sampled by vLLM are reweighted: tis, by min(π_θold / π_vllm, C); icepop, by the
-    ratio inside [1/C, C] and masked (weight 0) outside it, both sides (compute_loss)"""
+    ratio inside [1/C, C] and masked (weight 0) outside it, both sides; seq-mask, by the response's
+    geometric-mean ratio inside [1/c, c] (--seq-mask-cap), else the response masked whole"""
+    seq_mask_cap: Annotated[float, "> 1"] = 1.01
+    """c: --is-correction seq-mask's band [1/c, c] of a response's geometric-mean ratio"""
     num_minibatches: Annotated[int, ">= 1"] = 1
     """optimizer steps per rollout batch (the batch is split into this many minibatches)"""
     num_epochs: Annotated[int, ">= 1"] = 1
@@ -220,15 +223,21 @@ def reverse_kl(logprobs, teacher_logprobs, estimator: str = "k1"):  # DISTILL (a
     return torch.exp(-k1) + k1 - 1 if estimator == "k3" else k1
 
 
-def importance_weights(old_logprobs, engine_logprobs, args: Args) -> torch.Tensor:
+def importance_weights(old_logprobs, engine_logprobs, args: Args, responses=None) -> torch.Tensor:
     """Each token's weight for the sampler's mismatch (N,): vLLM sampled the tokens, not π_θold.
     With r_t = π_θold / π_vllm, TIS (Yao et al. 2025) weights by min(r_t, C); IcePop (Ring-1T,
     arXiv 2510.18855) by r_t inside [1/C, C] and 0 outside it: a token the two disagree on either
-    way is dropped from the gradient, not clipped (where r_t = 1 both give exactly 1)."""
-    ratio = torch.exp(old_logprobs - engine_logprobs)
-    if args.is_correction == "icepop":
-        return torch.where((ratio >= 1 / args.tis_cap) & (ratio <= args.tis_cap), ratio, 0.0)
-    return ratio.clamp(max=args.tis_cap)
+    way is dropped from the gradient, not clipped (where r_t = 1 both give exactly 1). seq-mask
+    (TRL's default mode; SkyRL's geometric mask): a response's r̄_i = exp(1/|o_i| Σ_t log r_it)
+    weights its every token inside [1/c, c] and masks the response whole outside it (`responses`:
+    ring_attn.Responses, which response each token is; exact under --sp-size)."""
+    log_ratio = old_logprobs - engine_logprobs
+    ratio, cap = torch.exp(log_ratio), args.tis_cap
+    if args.is_correction == "seq-mask":  # r̄_i at each token of o_i
+        ratio, cap = torch.exp(responses.mean(log_ratio)), args.seq_mask_cap
+    if args.is_correction != "tis":
+        return torch.where((ratio >= 1 / cap) & (ratio <= cap), ratio, 0.0)
+    return ratio.clamp(max=cap)
 
 
 def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
@@ -249,7 +258,7 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args):  # DISTILL (
     by IS_t, its likelihood ratio capped (TIS) or masked (IcePop): importance_weights.
     """
     old = values["old_logprobs"]
-    tis = importance_weights(old, values["engine_logprobs"], args)
+    tis = importance_weights(old, values["engine_logprobs"], args, values.get("responses"))
     eps = (args.clip_eps, args.clip_eps)  # [1 - ε, 1 + ε]
     # DISTILL (advantage): the teacher's signal at each token, from π_θold: a constant, like Â_i
     kl = reverse_kl(old, values["teacher_logprobs"], args.kl_estimator)
@@ -260,8 +269,9 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args):  # DISTILL (
     # when the trainer and vLLM agree on every token; reverse_kl: k1's mean, whatever Â uses
     stats = {"clipfrac": clipped.sum(), "tis_weight": tis.sum()}  # DISTILL (advantage): k1
     stats["reverse_kl"] = reverse_kl(old, values["teacher_logprobs"]).sum()
-    if args.is_correction == "icepop":  # the share of tokens the mask dropped
-        stats["icepop_masked"] = (tis == 0).sum()
+    masked = {"icepop": "icepop_masked", "seq-mask": "seq_masked"}.get(args.is_correction)
+    if masked:  # the share of tokens the mask dropped (seq-mask: whole responses')
+        stats[masked] = (tis == 0).sum()
     return (token_loss * values["loss_weights"]).sum(), stats
 
 

@@ -271,6 +271,40 @@ def assert_resume_is_exact(script: str, flags: tuple, run_dir: str, step: int = 
     return result.stdout
 
 
+SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]  # all
+
+
+def train_with_ranks(
+    module, args, items: list, model_path: str, out_dir, count=len, per_group=False
+):
+    """A supervised script's train_step for args.num_steps steps of 8 items (sequences or pairs) on
+    args.num_trainers CPU ranks, as its main runs it. Returns each step's loss (the ranks' sums over
+    count(batch); per_group: an SP group reports its items once) and the saved weights."""
+    import ray
+    from safetensors.torch import load_file
+
+    from common.data import split_for_ranks
+    from common.placement import Layout, call, make_placement_group, spawn_trainers
+
+    start_ray_cpu()
+    layout = Layout(False, trainers=args.num_trainers)
+    pg = make_placement_group(layout.bundles, use_gpu=False)
+    positional, kwargs = shell(module, args, model_path)
+    trainers = spawn_trainers(module.Trainer, pg, layout.trainers, *positional, **kwargs)
+    losses, tokens = [], args.max_tokens_per_micro_batch
+    for step in range(args.num_steps):
+        batch = items[step * 8 : (step + 1) * 8]
+        shares = split_for_ranks(batch, args.num_trainers, tokens, args.sp_size)
+        out = call(trainers, module.train_step, count(batch), step, per_rank=shares)
+        reports = out[:: args.sp_size] if per_group else out
+        losses.append(sum(o["loss"] for o in reports) / count(batch))
+    call(trainers, "save", str(out_dir), args.num_steps, False)
+    for t in trainers:
+        ray.kill(t)
+    ray.util.remove_placement_group(pg)
+    return losses, load_file(os.path.join(out_dir, "model.safetensors"))
+
+
 def shell(module, args, path: str) -> tuple:
     """A script's trainer shell inputs on `path` as its start_actors passes them: (the loader, what
     it loads, the start model, args) and the keywords (its frozen models; rm.py: the score head)."""

@@ -14,13 +14,12 @@ import sys
 import pytest
 import torch
 import tyro
-from conftest import REPO
+from conftest import REPO, SCRIPTS
 from safetensors.torch import save_file
 
 from common import placement
 from common.flags import parse_args
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 RL = ["grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 GOOD_ROW = {
     "sft": {"prompt": "What is 1 + 1?", "completion": "2"},

@@ -5,22 +5,19 @@ import math
 import os
 
 import pytest
-import ray
 import torch
 from conftest import (
     assert_same_training,
     only_run_dir,
     read_jsonl,
     run_script,
-    shell,
-    start_ray_cpu,
+    train_with_ranks,
 )
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import dpo
-from common.data import encode_example, load_rows, split_for_ranks
-from common.placement import Layout, call, make_placement_group, spawn_trainers
+from common.data import encode_example, load_rows
 
 
 def softplus(x):  # -log σ(-x) = log(1 + e^x)
@@ -84,39 +81,21 @@ def test_sequence_logprobs_sum_response_tokens_only(tiny_model, tokenizer):
     torch.testing.assert_close(got, torch.stack(want).view(2, 2), atol=1e-4, rtol=0)
 
 
-def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
+def train(world_size, model_path, tokenizer, out_dir, sp_size=1):
     rows, _ = load_rows("data/arithmetic/prefs_train.jsonl")
     pairs = [
         dpo.make_pair(encode_example(tokenizer, r["prompt"], r["chosen"]), encode_example(tokenizer, r["prompt"], r["rejected"]))
         for r in rows[:24]
     ]  # fmt: skip
-    args = dpo.Args(learning_rate=1e-3, warmup_steps=1, num_steps=steps, max_tokens_per_micro_batch=256, beta=0.5,
-                    sp_size=sp_size)  # fmt: skip
-    args.num_trainers = world_size
-    start_ray_cpu()
-    layout = Layout(False, trainers=world_size)
-    pg = make_placement_group(layout.bundles, use_gpu=False)
-    positional, kwargs = shell(dpo, args, model_path)
-    trainers = spawn_trainers(dpo.Trainer, pg, layout.trainers, *positional, **kwargs)
-    losses = []
-    for step in range(steps):
-        batch = pairs[step * 8 : (step + 1) * 8]
-        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch, sp_size)
-        out = call(trainers, dpo.train_step, len(batch), step, per_rank=shares)
-        losses.append(
-            sum(o["loss"] for o in out[::sp_size]) / len(batch)
-        )  # an SP group reports its pairs once
-    call(trainers, "save", str(out_dir), steps, False)
-    for t in trainers:
-        ray.kill(t)
-    ray.util.remove_placement_group(pg)
-    return losses, load_file(os.path.join(out_dir, "model.safetensors"))
+    args = dpo.Args(learning_rate=1e-3, warmup_steps=1, num_steps=3, max_tokens_per_micro_batch=256, beta=0.5,
+                    sp_size=sp_size, num_trainers=world_size)  # fmt: skip
+    return train_with_ranks(dpo, args, pairs, model_path, out_dir, per_group=True)
 
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_model, tokenizer, tmp_path_factory):
     """The one-rank run the two-rank runs are compared with, trained once."""
-    return train_with_ranks(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
+    return train(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
 
 
 @pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
@@ -124,9 +103,7 @@ def test_two_ranks_match_one_rank(one_rank, tiny_model, tokenizer, tmp_path, sp_
     # sp2: both ranks split every row with ring attention; sequence sums are all-reduced over the
     # pair of ranks
     losses1, weights1 = one_rank
-    losses2, weights2 = train_with_ranks(
-        2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size
-    )
+    losses2, weights2 = train(2, tiny_model, tokenizer, tmp_path / "two", sp_size)
     assert losses1[0] == pytest.approx(
         math.log(2), abs=1e-5
     )  # policy = reference at step 0: -log σ(0)

@@ -13,14 +13,12 @@ import sys
 import pytest
 import torch
 import tyro
-from conftest import REPO, trainer_rank
+from conftest import REPO, SCRIPTS, trainer_rank
 from transformers import LlamaConfig
 
 from common import trainer as common_model
 from common.data import split_for_ranks
 from common.packed_attn import PACKED
-
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 
 
 def docstring_commands(module) -> list[list[str]]:

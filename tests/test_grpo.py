@@ -27,6 +27,7 @@ import grpo
 from common.data import encode_prompt, split_for_ranks
 from common.engines import generate, spawn_engines
 from common.placement import Layout, call, make_placement_group, rendezvous_address, spawn_trainers
+from common.ring_attn import Responses
 
 
 def test_group_advantages_by_hand():
@@ -335,6 +336,43 @@ def test_icepop_masks_outside_the_band_and_is_exact_at_ratio_one(script):
     if script == "ppo":  # ppo.py's default: no correction, whatever the ratio
         loss, stats = module.compute_loss(logprobs, values, module.Args())
         assert loss.item() == plain.sum().item() and "tis_weight" not in stats
+
+
+@pytest.mark.parametrize("script", ["grpo", "dapo", "grpo_async", "grpo_tools", "distill"])
+def test_seq_mask_weights_a_response_by_its_geometric_mean_ratio_or_masks_it_whole(script):
+    """--is-correction seq-mask: a response's r̄_i = exp(mean_t log(π_θold / π_vllm)) weights all its
+    tokens inside [1/c, c]; outside it, the whole response is masked (weight 0), also the tokens
+    whose own ratio is 1. By hand: response 0 has log-ratios 0.004, -0.002, 0.001 (mean 0.001: in
+    the band of c = 1.01), response 1 has 0.02, 0, 0 (mean 0.00667: in it), response 2 -0.03, 0
+    (mean -0.015: below 1/1.01, masked)."""
+    module = importlib.import_module(script)
+    args = module.Args(is_correction="seq-mask", seq_mask_cap=1.01)
+    log_ratio = torch.tensor(
+        [0.004, -0.002, 0.001, 0.02, 0.0, 0.0, -0.03, 0.0], dtype=torch.float64
+    )
+    responses = Responses(torch.tensor([0, 0, 0, 1, 1, 1, 2, 2]), 3)
+    old, engine = log_ratio.float(), torch.zeros(8)
+    weights = module.importance_weights(old, engine, args, responses)
+    r0, r1 = math.exp(0.003 / 3), math.exp(0.02 / 3)
+    assert weights.tolist() == pytest.approx([r0] * 3 + [r1] * 3 + [0.0] * 2, rel=1e-6)
+    assert weights[6:].tolist() == [0.0, 0.0]  # masked whole, its ratio-1 token too
+    # the loss and the logged share: 2 of 8 tokens masked; the rest weighted by their response's r̄
+    logprobs = torch.zeros(8)  # ρ = 1 (π_θ = π_θold = 1 where old is 0): the surrogate is -Â
+    values = {
+        "old_logprobs": torch.zeros(8),
+        "engine_logprobs": -old,
+        "responses": responses,
+        "advantages": torch.ones(8),
+        "loss_weights": torch.full((8,), 0.125),
+        "teacher_logprobs": torch.zeros(8),
+    }  # fmt: skip  (distill.py: k1 0, Â as given)
+    loss, stats = module.compute_loss(logprobs, values, args)
+    assert loss.item() == pytest.approx(-0.125 * (3 * r0 + 3 * r1), rel=1e-6)
+    assert stats["seq_masked"].item() == 2 and "icepop_masked" not in stats
+    # at r = 1 everywhere the weight is exactly 1: the loss is the uncorrected one to the bit
+    same = {**values, "engine_logprobs": torch.zeros(8)}
+    assert module.compute_loss(logprobs, same, args)[0].item() == -1.0
+    assert module.compute_loss(logprobs, same, args)[1]["seq_masked"].item() == 0
 
 
 def test_compute_loss_by_hand():

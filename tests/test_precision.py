@@ -13,14 +13,13 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import trainer_rank
+from conftest import SCRIPTS, trainer_rank
 from transformers import AutoConfig
 
 from benchmark import memory_plan
 from common import lora, memory, placement, precision
 from common.data import split_for_ranks
 
-SCRIPTS = ["sft", "rm", "dpo", "grpo", "dapo", "ppo", "grpo_async", "grpo_tools", "distill"]
 GPUS = {  # name, compute capability
     "H100": ("NVIDIA H100 80GB HBM3", (9, 0)), "A100": ("NVIDIA A100-SXM4-80GB", (8, 0)),
     "L4": ("NVIDIA L4", (8, 9)), "T4": ("Tesla T4", (7, 5)), "V100": ("Tesla V100-SXM2-16GB", (7, 0)),

@@ -5,22 +5,19 @@ import math
 import os
 
 import pytest
-import ray
 import torch
 from conftest import (
     assert_same_training,
     only_run_dir,
     read_jsonl,
     run_script,
-    shell,
-    start_ray_cpu,
+    train_with_ranks,
 )
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 import rm
-from common.data import encode_example, load_rows, split_for_ranks
-from common.placement import Layout, call, make_placement_group, spawn_trainers
+from common.data import encode_example, load_rows
 
 
 def test_rm_loss_closed_form():
@@ -89,45 +86,22 @@ def test_reward_is_read_at_the_last_real_token(reward_model, tokenizer):
     assert (alone[0] - alone[1]).abs() > 1e-4  # the two sequences really score differently
 
 
-def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
+def train(world_size, model_path, tokenizer, out_dir, sp_size=1):
     rows, _ = load_rows("data/arithmetic/prefs_train.jsonl")
     pairs = []
     for r in rows[:24]:
         c, _ = encode_example(tokenizer, r["prompt"], r["chosen"])
         j, _ = encode_example(tokenizer, r["prompt"], r["rejected"])
         pairs.append(rm.make_pair(c, j, 0.5))
-    args = rm.Args(
-        learning_rate=1e-3,
-        warmup_steps=1,
-        num_steps=steps,
-        max_tokens_per_micro_batch=256,
-        sp_size=sp_size,
-    )
-    args.num_trainers = world_size
-    start_ray_cpu()
-    layout = Layout(False, trainers=world_size)
-    pg = make_placement_group(layout.bundles, use_gpu=False)
-    positional, kwargs = shell(rm, args, model_path)
-    trainers = spawn_trainers(rm.Trainer, pg, layout.trainers, *positional, **kwargs)
-    losses = []
-    for step in range(steps):
-        batch = pairs[step * 8 : (step + 1) * 8]
-        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch, sp_size)
-        out = call(trainers, rm.train_step, len(batch), step, per_rank=shares)
-        losses.append(
-            sum(o["loss"] for o in out[::sp_size]) / len(batch)
-        )  # an SP group reports its pairs once
-    call(trainers, "save", str(out_dir), steps, False)
-    for t in trainers:
-        ray.kill(t)
-    ray.util.remove_placement_group(pg)
-    return losses, load_file(os.path.join(out_dir, "model.safetensors"))
+    args = rm.Args(learning_rate=1e-3, warmup_steps=1, num_steps=3, max_tokens_per_micro_batch=256,
+                   sp_size=sp_size, num_trainers=world_size)  # fmt: skip
+    return train_with_ranks(rm, args, pairs, model_path, out_dir, per_group=True)
 
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_model, tokenizer, tmp_path_factory):
     """The one-rank run the two-rank runs are compared with, trained once."""
-    return train_with_ranks(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
+    return train(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
 
 
 @pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
@@ -135,9 +109,7 @@ def test_two_ranks_match_one_rank(one_rank, tiny_model, tokenizer, tmp_path, sp_
     # sp2: both ranks split every row with ring attention; each reward is read on the rank holding
     # its end token
     losses1, weights1 = one_rank
-    losses2, weights2 = train_with_ranks(
-        2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size
-    )
+    losses2, weights2 = train(2, tiny_model, tokenizer, tmp_path / "two", sp_size)
     assert losses1 == pytest.approx(losses2, abs=1e-4)
     assert_same_training(
         weights1, weights2, load_file(os.path.join(tiny_model, "model.safetensors"))

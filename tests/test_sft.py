@@ -12,8 +12,7 @@ from conftest import (
     only_run_dir,
     read_jsonl,
     run_script,
-    shell,
-    start_ray_cpu,
+    train_with_ranks,
 )
 from safetensors.torch import load_file
 from standins import Echo
@@ -21,8 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import sft
 from common import greedy
-from common.data import encode_example, encode_prompt, load_rows, split_for_ranks
-from common.placement import Layout, call, make_placement_group, spawn_trainers
+from common.data import encode_example, encode_prompt, load_rows
 
 
 def test_compute_logprobs_matches_full_log_softmax(tiny_model, tokenizer):
@@ -74,40 +72,19 @@ def test_batch_rows_is_a_function_of_the_step():
     assert epoch != [r for s in range(4) for r in sft.batch_rows(s, 12, 3, seed=6)]
 
 
-def train_with_ranks(world_size, model_path, tokenizer, out_dir, steps=3, sp_size=1):
+def train(world_size, model_path, tokenizer, out_dir, sp_size=1):
     rows, _ = load_rows("data/arithmetic/sft_train.jsonl")
     sequences = [sft.make_sequence(*encode_example(tokenizer, r["messages"])) for r in rows[:24]]
-    args = sft.Args(
-        learning_rate=1e-3,
-        warmup_steps=1,
-        num_steps=steps,
-        max_tokens_per_micro_batch=128,
-        sp_size=sp_size,
-    )
-    args.num_trainers = world_size
-    start_ray_cpu()
-    layout = Layout(False, trainers=world_size)
-    pg = make_placement_group(layout.bundles, use_gpu=False)
-    positional, kwargs = shell(sft, args, model_path)
-    trainers = spawn_trainers(sft.Trainer, pg, layout.trainers, *positional, **kwargs)
-    losses = []
-    for step in range(steps):
-        batch = sequences[step * 8 : (step + 1) * 8]
-        num_tokens = sum(sum(s["loss_mask"]) for s in batch)
-        shares = split_for_ranks(batch, world_size, args.max_tokens_per_micro_batch, sp_size)
-        out = call(trainers, sft.train_step, num_tokens, step, per_rank=shares)
-        losses.append(sum(o["loss"] for o in out) / num_tokens)
-    call(trainers, "save", str(out_dir), steps, False)
-    for t in trainers:
-        ray.kill(t)
-    ray.util.remove_placement_group(pg)
-    return losses, load_file(os.path.join(out_dir, "model.safetensors"))
+    args = sft.Args(learning_rate=1e-3, warmup_steps=1, num_steps=3, max_tokens_per_micro_batch=128,
+                    sp_size=sp_size, num_trainers=world_size)  # fmt: skip
+    count = lambda batch: sum(sum(s["loss_mask"]) for s in batch)  # noqa: E731  (tokens)
+    return train_with_ranks(sft, args, sequences, model_path, out_dir, count)
 
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_model, tokenizer, tmp_path_factory):
     """The one-rank run the two-rank runs are compared with, trained once."""
-    return train_with_ranks(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
+    return train(1, tiny_model, tokenizer, tmp_path_factory.mktemp("one"))
 
 
 @pytest.mark.parametrize("sp_size", [1, 2], ids=["dp2", "sp2"])
@@ -115,9 +92,7 @@ def test_two_ranks_match_one_rank(one_rank, tiny_model, tokenizer, tmp_path, sp_
     # dp2: FSDP2 data parallel over 2 ranks; sp2: both ranks split every row with ring attention
     # (--sp-size 2)
     losses1, weights1 = one_rank
-    losses2, weights2 = train_with_ranks(
-        2, tiny_model, tokenizer, tmp_path / "two", sp_size=sp_size
-    )
+    losses2, weights2 = train(2, tiny_model, tokenizer, tmp_path / "two", sp_size)
     assert losses1[-1] < losses1[0]  # it learns (lr 1e-3 on a tiny model)
     assert losses1 == pytest.approx(losses2, abs=1e-4)
     assert_same_training(
