@@ -182,8 +182,9 @@ def load_critic(
     the whitened returns. From an rm.py output it starts as the reward model (OpenRLHF's default).
     Sharded as every model is (common/trainer.py's load_model); with `adapters` (--lora-rank) its
     own LoRA adapters on its own frozen copy of the base, the head trained whole."""
-    model, missing = load_model(AutoScoreModel, path, device, gradient_checkpointing, adapters,
-                                dtype, num_labels=1)  # fmt: skip
+    model, missing = load_model(
+        AutoScoreModel, path, device, gradient_checkpointing, adapters, dtype, num_labels=1
+    )
     if model.config.pad_token_id is None:  # HF's own scoring needs it
         if pad_token_id is None:  # the tokenizer's pad token, else EOS
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -589,8 +590,14 @@ def main(args: Args):
         engine = torch.zeros_like(logprobs)  # log π_vllm, as sampled: for --is-correction
         for i, sample in enumerate(responses):
             engine[i, : len(sample["logprobs"])] = torch.tensor(sample["logprobs"])
-        fill_token_values(shares, advantages=advantages, returns=returns, old_logprobs=logprobs,
-                          old_values=values, engine_logprobs=engine)  # fmt: skip
+        fill_token_values(
+            shares,
+            advantages=advantages,
+            returns=returns,
+            old_logprobs=logprobs,
+            old_values=values,
+            engine_logprobs=engine,
+        )
         t_fwd = time.time()
 
         results = call_groups(
@@ -624,8 +631,15 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k not in quiet]
         run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
-        rows = [{"prompt": batch[i // n].text, "response": texts[i], "answer": batch[i // n].answer,
-                 "reward": scores[i].item()} for i in range(min(len(texts), 2 * n))]  # fmt: skip
+        rows = [
+            {
+                "prompt": batch[i // n].text,
+                "response": texts[i],
+                "answer": batch[i // n].answer,
+                "reward": scores[i].item(),
+            }
+            for i in range(min(len(texts), 2 * n))
+        ]
         run.log_samples(done, rows)
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
@@ -662,9 +676,16 @@ def plan_minibatches(batch: list[Prompt], responses: list[dict], step: int, args
     shares = ([[] for _ in range(sizes[0])], [[] for _ in range(sizes[1])])
     for mini in [order[k :: args.num_minibatches] for k in range(args.num_minibatches)]:
         weights = loss_weights([lengths[i] for i in mini], args)
-        seqs = [make_sequence(batch[i // n].ids, responses[i]["token_ids"], seq_id=[i] * lengths[i],
-                              tok=range(lengths[i]), loss_weights=w)
-                for i, w in zip(mini, weights)]  # fmt: skip
+        seqs = [
+            make_sequence(
+                batch[i // n].ids,
+                responses[i]["token_ids"],
+                seq_id=[i] * lengths[i],
+                tok=range(lengths[i]),
+                loss_weights=w,
+            )
+            for i, w in zip(mini, weights)
+        ]
         for size, share in zip(sizes, shares):
             micros = data.split_for_ranks(seqs, size, args.max_tokens_per_micro_batch, args.sp_size)
             for rank, micro in enumerate(micros):
@@ -707,8 +728,10 @@ def validate_args(args: Args) -> None:
             "and --num-engines = --num-critics = --num-trainers"
         )
     if args.reward_model and (args.reward_fn or args.verifier_weight != 1):
-        raise InputError("--reward-fn and --verifier-weight make the rule reward; with "
-                         "--reward-model the reward model's score is the reward")  # fmt: skip
+        raise InputError(
+            "--reward-fn and --verifier-weight make the rule reward; with "
+            "--reward-model the reward model's score is the reward"
+        )
     longest = args.max_prompt_length + args.max_response_length
     if args.max_tokens_per_micro_batch is None:
         args.max_tokens_per_micro_batch = max(512, longest)
@@ -763,11 +786,20 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     lora.check_model(args, model_path, args.model)
     lora.check_model(args, critic_path, args.critic_model or args.model)
     # a run that cannot fit stops here; colocated, the critic and reward model may wait in host RAM
-    offload = memory.check_run(args, use_gpu, model_path, True, critic_path, reward_model_path,
-                               tokens=args.max_tokens_per_micro_batch, top_p=args.top_p,
-                               longest=args.max_prompt_length + args.max_response_length,
-                               colocate=args.colocate, critics=args.num_critics,
-                               entropy="entropy" in policy_values(args))  # fmt: skip
+    offload = memory.check_run(
+        args,
+        use_gpu,
+        model_path,
+        True,
+        critic_path,
+        reward_model_path,
+        tokens=args.max_tokens_per_micro_batch,
+        top_p=args.top_p,
+        longest=args.max_prompt_length + args.max_response_length,
+        colocate=args.colocate,
+        critics=args.num_critics,
+        entropy="entropy" in policy_values(args),
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
@@ -775,8 +807,12 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     }
     train, source = len(prompts["train"]), datasets["train"][1]
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
-    paths = {"policy": resume_ckpt or model_path, "reference": model_path,
-             "critic_start": critic_path, "reward_model": reward_model_path}  # fmt: skip
+    paths = {
+        "policy": resume_ckpt or model_path,
+        "reference": model_path,
+        "critic_start": critic_path,
+        "reward_model": reward_model_path,
+    }
     paths["critic"] = os.path.join(resume_ckpt, "critic") if resume_ckpt else critic_path
     return paths, tokenizer, prompts, terms, offload
 
@@ -806,13 +842,20 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
         )
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(
-        pg, layout.engines, model_path=paths["reference" if args.lora_rank else "policy"],
-        seed=args.seed, backend=backend, lora=lora.engine_lora(args),  # the others load meanwhile:
-        loading=[*trainers, *critics, *([reward_model] if rm else [])],
-        tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu, sleep_mode=args.colocate, dtype=args.dtype,
+        pg,
+        layout.engines,
+        model_path=paths["reference" if args.lora_rank else "policy"],
+        seed=args.seed,
+        backend=backend,
+        lora=lora.engine_lora(args),
+        loading=[*trainers, *critics, *([reward_model] if rm else [])],  # they load meanwhile
+        tp=args.engine_tp,
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        use_gpu=use_gpu,
+        sleep_mode=args.colocate,
+        dtype=args.dtype,
         memory=memory.engine_memory(args, use_gpu, args.colocate),
-    )  # fmt: skip
+    )
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     sync = (args.engine_tp, args.lora_merge_sync)
     call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)

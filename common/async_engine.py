@@ -14,8 +14,19 @@ class AsyncEngine:
     """Weight updates pause the scheduler between steps, keeping running requests (`mode="keep"`:
     decoding layers mid-reload would fail), re-prefilled for the new policy unless `keep_old_kv`."""
 
-    def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
-                 keep_old_kv=False, lora=None, dtype="auto"):  # fmt: skip
+    def __init__(
+        self,
+        model_path,
+        seed,
+        backend,
+        tp,
+        max_model_len,
+        memory,
+        sleep_mode,
+        keep_old_kv=False,
+        lora=None,
+        dtype="auto",
+    ):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -28,8 +39,15 @@ class AsyncEngine:
         self.intervals = []  # (what, start, end), wall clock: "idle" (no request) or "paused"
         self.idle_since, self.paused_at = time.time(), None
 
-    async def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                       max_tokens: int, seeds: list[int] | None = None) -> list:  # fmt: skip
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seeds: list[int] | None = None,
+    ) -> list:
         """As Engine.generate; each sample also has `versions`: the weight version of each token."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -42,14 +60,19 @@ class AsyncEngine:
             seed = None if seeds is None else seeds[i] + j
             params = SamplingParams(n=1, seed=seed, output_kind=RequestOutputKind.DELTA, **base)
             request, token_ids, logprobs = self._request(prompts[i]), [], []
-            async for out in self.llm.generate(request, params, uuid.uuid4().hex,
-                                               lora_request=lora):  # fmt: skip
+            async for out in self.llm.generate(
+                request, params, uuid.uuid4().hex, lora_request=lora
+            ):
                 c = out.outputs[0]  # the new tokens of a step
                 token_ids += c.token_ids
                 logprobs += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
                 self.stats["tokens"] += len(c.token_ids)
-            return dict(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason,
-                        versions=token_versions(len(token_ids), c.weight_versions))  # fmt: skip
+            return dict(
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                versions=token_versions(len(token_ids), c.weight_versions),
+            )
 
         if self.requests == 0:  # the engine had nothing to do since idle_since
             self._interval("idle", self.idle_since)
@@ -136,6 +159,8 @@ def token_versions(num_tokens: int, spans) -> list[int]:
         versions[span.start : span.end] = [version] * (span.end - span.start)
     if None in versions:
         labelled = num_tokens - versions.count(None)
-        raise RuntimeError(f"vLLM gave a weight version to {labelled} of {num_tokens} sampled "
-                           "tokens: lags and the lag bound cannot be known")  # fmt: skip
+        raise RuntimeError(
+            f"vLLM gave a weight version to {labelled} of {num_tokens} sampled "
+            "tokens: lags and the lag bound cannot be known"
+        )
     return versions

@@ -63,11 +63,15 @@ class FlashBlocks:
     @staticmethod
     def _args(q, k, cu, scale) -> dict:
         cu_q, cu_k = (cu, cu) if cu is not None else ([0, q.shape[0]], [0, k.shape[0]])
-        return dict(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=q.device),
-                    cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=q.device),
-                    max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-                    max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-                    dropout_p=0.0, softmax_scale=scale, causal=cu is not None)  # fmt: skip
+        return dict(
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=q.device),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=q.device),
+            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=cu is not None,
+        )
 
     @staticmethod
     def forward(q, k, v, cu, scale):
@@ -81,10 +85,24 @@ class FlashBlocks:
         fa, (q, k, v) = _flash_interface(), (x.contiguous() for x in (q, k, v))
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))  # written by the kernel
         dout, out = (x.to(q.dtype).contiguous() for x in (dout, out))
-        fa._flash_attn_varlen_backward(dout, q, k, v, out, lse.contiguous(), dq, dk, dv,
-                                       **FlashBlocks._args(q, k, cu, scale), window_size_left=-1,
-                                       window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                       deterministic=False, rng_state=None)  # fmt: skip
+        fa._flash_attn_varlen_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            **FlashBlocks._args(q, k, cu, scale),
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+        )
         return dq.float(), dk.float(), dv.float()
 
 

@@ -73,9 +73,11 @@ def staged(path: str, step: int, **info):
         full = "No space left" in str(e) or free < 64 * 2**20
         if full and not isinstance(e, KeyboardInterrupt):
             where = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.dirname(path))))
-            raise RunError(f"no space left on the device to save {where} ({free / 2**20:.0f} MiB "
-                           "free): the partial checkpoint is removed; the newest whole one stays "
-                           "resumable") from None  # fmt: skip
+            raise RunError(
+                f"no space left on the device to save {where} ({free / 2**20:.0f} MiB "
+                "free): the partial checkpoint is removed; the newest whole one stays "
+                "resumable"
+            ) from None
         raise
 
 
@@ -96,6 +98,7 @@ def exchange(new: str, path: str) -> None:
 def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str, int] | None:
     """Before anything starts: the wandb login and a new run's --output-dir (None), or --resume
     checked against the script, --model, LoRA flags and --num-steps: (run_dir, checkpoint, step)."""
+    getattr(args, "check_together", lambda: None)()  # the shared groups' flags (common/flags.py)
     check_tracking(args.track)
     if not args.resume:
         return check_output_dir(args.output_dir)
@@ -113,20 +116,25 @@ def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str
         raise InputError(f"--resume: the run was made with --model {made_with}, not {model}")
     saved = config["args"]  # LoRA: the same adapters (shape, scale); a full fine-tuning run: none
     if (rank := saved.get("lora_rank", 0) or 0) != getattr(args, "lora_rank", 0):
-        what = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}" if rank else (
-            "fine-tuned the full model: leave out --lora-rank")  # fmt: skip
+        what = (
+            f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}"
+            if rank
+            else ("fine-tuned the full model: leave out --lora-rank")
+        )
         raise InputError(f"--resume: the run {what}")
     was, modules = argparse.Namespace(**saved), lambda a: ",".join(sorted(set(lora.targets(a))))
-    for flag, theirs, mine in (
-        ("--lora-alpha", f"{lora.alpha(was):g}", f"{lora.alpha(args):g}"),
-        ("--lora-target-modules", modules(was), modules(args)),  # a set: in any order
-    ) if rank else ():  # fmt: skip
-        if theirs != mine:
-            raise InputError(f"--resume: the run was made with {flag} {theirs}, not {mine}")
+    if rank:  # the same adapters: their scale, their modules (a set: in any order)
+        alphas = f"{lora.alpha(was):g}", f"{lora.alpha(args):g}"
+        targets = modules(was), modules(args)
+        for flag, (theirs, mine) in (("--lora-alpha", alphas), ("--lora-target-modules", targets)):
+            if theirs != mine:
+                raise InputError(f"--resume: the run was made with {flag} {theirs}, not {mine}")
     lock_run_dir(run_dir)
     if step >= num_steps:
-        raise InputError(f"--resume: the checkpoint is at step {step}, not before --num-steps "
-                         f"{num_steps}: pass a larger --num-steps to continue it")  # fmt: skip
+        raise InputError(
+            f"--resume: the checkpoint is at step {step}, not before --num-steps "
+            f"{num_steps}: pass a larger --num-steps to continue it"
+        )
     check(checkpoint)
     check_output_dir(run_dir)
     where = os.path.relpath(checkpoint, os.path.dirname(run_dir))
@@ -190,8 +198,9 @@ def find_checkpoint(path: str) -> tuple[str, str, int]:
             if (older := max(resumable, key=found.get, default=None)) is None:
                 raise InputError(f"--resume: {path}: {why} (save with --save-every to resume)")
             redo = f"resuming from {older} would redo steps {found[older] + 1}-{found[newest]}"
-            raise InputError(f"--resume: {path}: {why}; {redo} and replace it: pass "
-                             f"{folder}/{older} to do that")  # fmt: skip
+            raise InputError(
+                f"--resume: {path}: {why}; {redo} and replace it: pass {folder}/{older} to do that"
+            )
         path = os.path.join(folder, newest)
     if (step := checkpoint_step(path)) is None or not os.path.isfile(f"{path}/trainer_state.pt"):
         what = "a run dir or a checkpoint folder with trainer_state.pt"

@@ -12,9 +12,11 @@ from common.errors import InputError
 from common.isolate import UserFunction
 from common.lifetime import REPO
 
-NO_TEMPLATE = ("the model's tokenizer has no chat template, and the data has message lists: use "
-               "plain-text columns (sft.py and dpo.py: also --accuracy-dataset '', whose prompts "
-               "are messages) or a model with a chat template")  # fmt: skip
+NO_TEMPLATE = (
+    "the model's tokenizer has no chat template, and the data has message lists: use "
+    "plain-text columns (sft.py and dpo.py: also --accuracy-dataset '', whose prompts "
+    "are messages) or a model with a chat template"
+)
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 STRUCTURE = ("input_ids", "labels", "loss_mask", "position_ids")  # a row's own fields, not values
 
@@ -190,8 +192,10 @@ def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]
         rows[j].append(i)
         room[j] -= n
     seqs = [{**s, "position_ids": range(len(s["input_ids"]))} for s in sequences]
-    return [{key: torch.tensor([v for i in row for v in seqs[i][key]])[None] for key in seqs[0]}
-            for row in rows]  # fmt: skip
+    return [
+        {key: torch.tensor([v for i in row for v in seqs[i][key]])[None] for key in seqs[0]}
+        for row in rows
+    ]
 
 
 def check_batch(batch: int, available: int, flag: str, source: str, what: str) -> None:
@@ -201,14 +205,23 @@ def check_batch(batch: int, available: int, flag: str, source: str, what: str) -
         raise InputError(f"{flag} {batch} is more than the {available} {what} of {source}: {why}")
 
 
-def within(items: list, lengths: list[int], limit: int, drop_long: bool, source: str, what: str,
-           flag: str = "--max-length") -> list:  # fmt: skip
+def within(
+    items: list,
+    lengths: list[int],
+    limit: int,
+    drop_long: bool,
+    source: str,
+    what: str,
+    flag: str = "--max-length",
+) -> list:
     """The items of at most `limit` tokens. Longer ones stop the run, naming the first, or with
     drop_long (--drop-long) are left out; none left stops it too."""
     if (too_long := [i + 1 for i, n in enumerate(lengths) if n > limit]) and not drop_long:
-        raise InputError(f"{source}: {len(too_long)} of {len(items)} {what} are longer than {flag} "
-                         f"{limit} tokens (first: row {too_long[0]}); raise {flag} or pass "
-                         "--drop-long")  # fmt: skip
+        raise InputError(
+            f"{source}: {len(too_long)} of {len(items)} {what} are longer than {flag} "
+            f"{limit} tokens (first: row {too_long[0]}); raise {flag} or pass "
+            "--drop-long"
+        )
     if not (kept := [item for item, n in zip(items, lengths) if n <= limit]):
         raise InputError(f"{source}: no {what} left within {flag} {limit}")
     return kept

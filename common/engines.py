@@ -19,20 +19,33 @@ LOGGING_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_
 QUIET = {"VLLM_LOGGING_CONFIG_PATH": LOGGING_CONFIG, "PYTHONWARNINGS": "ignore::FutureWarning"}
 # The engine core in the actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=1: its own); quiet
 GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **QUIET, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-CPU_ENV = {**GPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores the trainers use
-           "OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # in turns: all cores each  # fmt: skip
+CPU_ENV = {
+    **GPU_ENV,
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # don't pin cores the trainers use
+    "OMP_NUM_THREADS": str(os.cpu_count() or 1),
+}  # in turns: all cores each
 
 
 class KnownWarnings(logging.Filter):
     """vLLM warnings dropped as noise (by vllm_logging.json): settings made on purpose (fp32
     weights served in bf16), CPU hints, the layer-reload one (vllm_worker.Whole makes it fatal)."""
 
-    TEXTS = ("Failed to load weights", "The global random seed is set",
-             "does not officially support disabling chunked", "Enforce eager set",
-             "Inductor compilation was disabled", "Triton is not installed",
-             "Model Runner V2 requires", "libtcmalloc is not found", "libiomp is not found",
-             "leaving Torch threads", "torch.set_num_threads` after", "Reset SSM cache type",
-             "different tokenizers for different LoRAs", "float32 into parameter")  # fmt: skip
+    TEXTS = (
+        "Failed to load weights",
+        "The global random seed is set",
+        "does not officially support disabling chunked",
+        "Enforce eager set",
+        "Inductor compilation was disabled",
+        "Triton is not installed",
+        "Model Runner V2 requires",
+        "libtcmalloc is not found",
+        "libiomp is not found",
+        "leaving Torch threads",
+        "torch.set_num_threads` after",
+        "Reset SSM cache type",
+        "different tokenizers for different LoRAs",
+        "float32 into parameter",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.TEXTS)
@@ -51,28 +64,51 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None,
     if not on_gpu:  # Ray gives a num_cpus=1 actor one thread; vLLM forbids changing it later
         torch.set_num_threads(os.cpu_count() or 1)
     # CPU: whole prompts only (a split prefill rewinds the seeded generator: vLLM crashes on CPU)
-    cpu = {"kv_cache_memory_bytes": int(memory * 2**30), "enable_chunked_prefill": False,
-           "max_num_batched_tokens": max(8192, max_model_len)}  # fmt: skip
+    cpu = {
+        "kv_cache_memory_bytes": int(memory * 2**30),
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(8192, max_model_len),
+    }
     if lora:  # one adapter, the policy's; no LoRA buffers on modules it does not adapt (lm_head)
-        lora = dict(enable_lora=True, max_loras=1, lora_target_modules=lora["targets"],
-                    max_lora_rank=next(r for r in VLLM_RANKS if r >= lora["rank"]))  # fmt: skip
+        lora = dict(
+            enable_lora=True,
+            max_loras=1,
+            lora_target_modules=lora["targets"],
+            max_lora_rank=next(r for r in VLLM_RANKS if r >= lora["rank"]),
+        )
     return dict(
-        model=model_path, dtype=dtype, max_model_len=max_model_len,
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
         seed=seed,  # per-request seeds crash with n > 1 on CPU; the engine's generator is seeded
-        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
         # POSTTRAIN_EAGER=1 (tests, smoke checks): no CUDA-graph capture, minutes less per start
         enforce_eager=not on_gpu or os.environ.get("POSTTRAIN_EAGER") == "1",
-        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
         # Imported in every worker process: registers the checked-* backends (whole updates only)
         weight_transfer_config=WeightTransferConfig(backend=f"checked-{backend}"),
         worker_extension_cls="common.vllm_worker.WorkerExtension",
-        **({"gpu_memory_utilization": memory} if on_gpu else cpu), **(lora or {}))  # fmt: skip
+        **({"gpu_memory_utilization": memory} if on_gpu else cpu),
+        **(lora or {}),
+    )
 
 
 @ray.remote
 class Engine:
-    def __init__(self, model_path, seed, backend, tp, max_model_len, memory, sleep_mode,
-                 lora=None, dtype="auto"):  # fmt: skip
+    def __init__(
+        self,
+        model_path,
+        seed,
+        backend,
+        tp,
+        max_model_len,
+        memory,
+        sleep_mode,
+        lora=None,
+        dtype="auto",
+    ):
         """`memory`: on GPU the fraction for weights + KV cache, on CPU GiB of KV cache."""
         from vllm import LLM
 
@@ -80,8 +116,16 @@ class Engine:
         self.llm = LLM(**args, enable_sleep_mode=sleep_mode, use_tqdm_on_load=False)
         self.adapter = adapter_folder() if lora else None
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens, seeds: list[int] | None = None, stop=None) -> list:  # fmt: skip
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens,
+        seeds: list[int] | None = None,
+        stop=None,
+    ) -> list:
         """n samples for every prompt: [[{token_ids, logprobs, finish_reason}] * n] * len(prompts).
         `seeds[i] + j` seeds sample j of prompt i (its own request) in any batch, on any engine;
         `max_tokens`: a list, per prompt; `stop` strings end a sample (kept), add `prompt_ids`."""
@@ -95,15 +139,24 @@ class Engine:
             requests, params = prompts, [SamplingParams(n=n, max_tokens=m, **base) for m in limits]
         else:
             requests = [p for p in prompts for _ in range(n)]
-            params = [SamplingParams(n=1, seed=s + j, max_tokens=m, **base)
-                      for s, m in zip(seeds, limits) for j in range(n)]  # fmt: skip
+            params = [
+                SamplingParams(n=1, seed=s + j, max_tokens=m, **base)
+                for s, m in zip(seeds, limits)
+                for j in range(n)
+            ]
         requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
         lora = lora_request(self.adapter)
         outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
-        samples = [dict(token_ids=list(c.token_ids), finish_reason=c.finish_reason,
-                        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                        **({"prompt_ids": list(out.prompt_token_ids)} if stop else {}))
-                   for out in outs for c in out.outputs]  # fmt: skip
+        samples = [
+            dict(
+                token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason,
+                logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                **({"prompt_ids": list(out.prompt_token_ids)} if stop else {}),
+            )
+            for out in outs
+            for c in out.outputs
+        ]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     # The four calls of vLLM's weight-transfer protocol, driven by the trainer's transfer engine.
@@ -182,8 +235,19 @@ def sample_seeds(seed: int, draw, prompts) -> list[int]:
     return [random.Random(f"{seed}/{draw}/{i}").getrandbits(48) for i in numbers]
 
 
-def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: float, top_p: float,
-             max_tokens, seed=None, draw=None, index=None, stop=None) -> list:  # fmt: skip
+def generate(
+    engines: list,
+    prompts: list[list[int]],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_tokens,
+    seed=None,
+    draw=None,
+    index=None,
+    stop=None,
+) -> list:
     """Deal the prompts to the engines, n responses each, in order; seeded by `draw`. `index`: each
     prompt's own number (default: its place), which picks its engine (number % engines: an
     episode's turns meet their prefix in that engine's cache) and its seed."""
@@ -191,17 +255,40 @@ def generate(engines: list, prompts: list[list[int]], *, n: int, temperature: fl
     seeds = sample_seeds(seed, draw, index) if draw is not None else None
     rows = [[i for i, number in enumerate(index) if number % k == e] for e in range(k)]
     part = lambda v, mine: [v[i] for i in mine] if isinstance(v, list) else v  # noqa: E731
-    refs = [e.generate.remote(part(prompts, mine), n, temperature, top_p, part(max_tokens, mine),
-                              part(seeds, mine), **({"stop": stop} if stop else {}))
-            for e, mine in zip(engines, rows)]  # no stop: AsyncEngine's too  # fmt: skip
+    refs = [
+        e.generate.remote(
+            part(prompts, mine),
+            n,
+            temperature,
+            top_p,
+            part(max_tokens, mine),
+            part(seeds, mine),
+            **({"stop": stop} if stop else {}),
+        )
+        for e, mine in zip(engines, rows)
+    ]  # no stop: AsyncEngine's too
     outs = wait_all(refs, [f"Engine#{i}" for i in range(k)], "generate")
     placed = {i: samples for mine, out in zip(rows, outs) for i, samples in zip(mine, out)}
     return [placed[i] for i in range(len(prompts))]
 
 
-def spawn_engines(pg, slots: list[Slot], *, model_path: str, seed: int, backend: str, tp: int,
-                  max_model_len: int, memory: float, use_gpu: bool, sleep_mode: bool = False,
-                  lora=None, engine_cls=Engine, loading=(), **kwargs) -> list:  # fmt: skip
+def spawn_engines(
+    pg,
+    slots: list[Slot],
+    *,
+    model_path: str,
+    seed: int,
+    backend: str,
+    tp: int,
+    max_model_len: int,
+    memory: float,
+    use_gpu: bool,
+    sleep_mode: bool = False,
+    lora=None,
+    engine_cls=Engine,
+    loading=(),
+    **kwargs,
+) -> list:
     """One engine per slot, up on return with the actors `loading` (the trainers load meanwhile, or
     first if they share a GPU: vLLM sizes its memory by what is free): a failed start is named."""
     if sleep_mode:
@@ -211,7 +298,9 @@ def spawn_engines(pg, slots: list[Slot], *, model_path: str, seed: int, backend:
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
     args = (backend, tp, max_model_len, memory, sleep_mode)
     kw = kwargs | ({"lora": lora} if lora else {})
-    engines = [engine_cls.options(**s.options(pg, env)).remote(model_path, seed + i, *args, **kw)
-               for i, s in enumerate(slots)]  # fmt: skip
+    engines = [
+        engine_cls.options(**s.options(pg, env)).remote(model_path, seed + i, *args, **kw)
+        for i, s in enumerate(slots)
+    ]
     wait_started([*loading, *engines])
     return engines

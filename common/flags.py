@@ -33,8 +33,7 @@ def flag_ranges(args_cls) -> dict[str, str]:
 
 
 def check_flags(args) -> None:
-    """Every flag in its Args range (None: unset), finite (tyro parses "nan", "inf"), <= INT_MAX;
-    then the shared groups' flags that need each other."""
+    """Every flag in its Args range (None: unset), finite (tyro parses "nan", "inf"), <= INT_MAX."""
     for name, rule in flag_ranges(type(args)).items():
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if value is None:
@@ -46,13 +45,6 @@ def check_flags(args) -> None:
         for op, bound in (part.split() for part in rule.split(",")):
             if not RULES[op](value, float(bound)):
                 raise InputError(f"{flag} must be {rule} (got {value})")
-    if getattr(args, "best_metric", None) and not re.fullmatch(r"eval/\S+", args.best_metric):
-        raise InputError(f"--best-metric must be eval/<name> (got {args.best_metric!r})")
-    if getattr(args, "eval_ema", False) and not args.ema_beta:
-        raise InputError("--eval-ema needs --ema-beta (the EMA is off)")
-    if getattr(args, "lora_rank", 0) and (args.ema_beta or args.optimizer == "muon"):
-        flag = "--ema-beta averages" if args.ema_beta else "--optimizer muon orthogonalises"
-        raise InputError(f"{flag} whole matrices, not LoRA's adapters: leave out --lora-rank")
 
 
 def join_repeats(argv: list[str], lists: set[str]) -> list[str]:
@@ -120,21 +112,30 @@ def parse_args(args_cls, argv: list[str] | None = None):
     if getattr(args, "resume", None):
         checkpoint.keep_run_settings(args, checkpoint.flag_names(argv), os.path.basename(me))
     if getattr(args, "save_final", True) is False and getattr(args, "save_every", 1) == 0:
-        print("note: this run saves no model (--no-save-final, --save-every 0): what it learns is "
-              "lost when it ends; keep final/ or pass --save-every N to keep it")  # fmt: skip
+        print(
+            "note: this run saves no model (--no-save-final, --save-every 0): what it learns is "
+            "lost when it ends; keep final/ or pass --save-every N to keep it"
+        )
     return args
 
 
 def no_flag(flag: str, kinds: dict, script: str) -> str:
     """The line for a flag `script` lacks: the scripts that have it (Args read as text) and why not
     here where its Args say (`# ... no --flag: why`); else the closest of its own."""
-    args_text = lambda path: pathlib.Path(path).read_text(errors="replace").partition(  # noqa: E731
-        "\nclass Args")[2].partition("\n\n\n")[0]  # fmt: skip
+
+    def args_text(path):  # a script's `class Args` block, as text
+        text = pathlib.Path(path).read_text(errors="replace")
+        return text.partition("\nclass Args")[2].partition("\n\n\n")[0]
+
     name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag[2:]
     field = re.compile(rf"^    {name.replace('-', '_')}: ", re.M)
-    have = [s for s in sorted(os.listdir(REPO), key=lambda s: (s != "grpo.py", s))  # parent first
-            if s.endswith(".py") and s != os.path.basename(script)
-            and field.search(args_text(os.path.join(REPO, s)))]  # fmt: skip
+    have = [
+        s
+        for s in sorted(os.listdir(REPO), key=lambda s: (s != "grpo.py", s))  # parent first
+        if s.endswith(".py")
+        and s != os.path.basename(script)
+        and field.search(args_text(os.path.join(REPO, s)))
+    ]
     if not have:
         close = difflib.get_close_matches(flag, kinds, n=1)
         return f"no flag {flag}{f' (did you mean {close[0]}?)' if close else ''}; --help lists them"
@@ -186,8 +187,9 @@ class Resources:
     def dp_size(self) -> int:
         """Data-parallel groups: the trainer ranks in sequence-parallel groups of --sp-size."""
         if self.num_trainers % self.sp_size:
-            raise InputError(f"--num-trainers {self.num_trainers} is not a multiple of --sp-size "
-                             f"{self.sp_size}")  # fmt: skip
+            raise InputError(
+                f"--num-trainers {self.num_trainers} is not a multiple of --sp-size {self.sp_size}"
+            )
         return self.num_trainers // self.sp_size
 
 
@@ -235,3 +237,14 @@ class Optimization:  # the trainer shell's (common/trainer.py, common/optim.py);
     checkpoint's ema/ (an HF folder) and resumed (0: off)"""
     eval_ema: bool = False
     """evaluate θ_ema, not θ (needs --ema-beta); --best-metric then ranks θ_ema"""
+
+    def check_together(self):
+        """The shared groups' flags that need each other (checkpoint.check_start calls it, after a
+        script's own checks: grpo_async.py refuses --eval-ema whatever --ema-beta says)."""
+        if self.best_metric is not None and not re.fullmatch(r"eval/\S+", self.best_metric):
+            raise InputError(f"--best-metric must be eval/<name> (got {self.best_metric!r})")
+        if self.eval_ema and not self.ema_beta:
+            raise InputError("--eval-ema needs --ema-beta (the EMA is off)")
+        if getattr(self, "lora_rank", 0) and (self.ema_beta or self.optimizer == "muon"):
+            flag = "--ema-beta averages" if self.ema_beta else "--optimizer muon orthogonalises"
+            raise InputError(f"{flag} whole matrices, not LoRA's adapters: leave out --lora-rank")

@@ -39,6 +39,8 @@ def accuracy(trainers: list, rows: list[dict], prompts: list, tokenizer, max_new
     for r, out in enumerate(outs):
         texts[r::n] = [tokenizer.decode(o) for o in out]
     rewards = [reward_fn(text, str(row["answer"])) for text, row in zip(texts, rows)]
-    samples = [dict(prompt=row["prompt"], response=text, answer=row["answer"], reward=reward)
-               for row, text, reward in zip(rows, texts, rewards)]  # fmt: skip
+    samples = [
+        dict(prompt=row["prompt"], response=text, answer=row["answer"], reward=reward)
+        for row, text, reward in zip(rows, texts, rewards)
+    ]
     return sum(rewards) / len(rewards), samples

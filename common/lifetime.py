@@ -27,8 +27,17 @@ def mark_run() -> str:
     if os.path.isdir("/proc"):
         argv = [sys.executable, "-m", "common.lifetime", str(os.getpid()), marker]
         quiet = subprocess.DEVNULL
-        _WATCHDOG.append(subprocess.Popen(argv, cwd=REPO, env=env, stdin=quiet, stdout=quiet,
-                                          stderr=quiet, start_new_session=True).pid)  # fmt: skip
+        _WATCHDOG.append(
+            subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdin=quiet,
+                stdout=quiet,
+                stderr=quiet,
+                start_new_session=True,
+            ).pid
+        )
     return marker
 
 

@@ -32,8 +32,11 @@ def alpha(args) -> float:
 
 def check_args(args) -> None:
     """The LoRA flags, alone and together (pure: validate_args calls it)."""
-    given = [f for f in ("lora_alpha", "lora_dropout", "lora_merge_sync", "lora_target_modules")
-             if getattr(args, f, None) not in (None, 0, False, DEFAULT_TARGETS)]  # fmt: skip
+    given = [
+        f
+        for f in ("lora_alpha", "lora_dropout", "lora_merge_sync", "lora_target_modules")
+        if getattr(args, f, None) not in (None, 0, False, DEFAULT_TARGETS)
+    ]
     if given and not args.lora_rank:  # a LoRA flag given without it would be ignored in silence
         raise InputError(f"--{given[0].replace('_', '-')} needs --lora-rank (LoRA is off)")
     if args.lora_rank and not targets(args):
@@ -49,12 +52,17 @@ def check_model(args, model_path: str, name: str) -> None:
         model = AutoModel.from_config(AutoConfig.from_pretrained(model_path))
     if (layers := getattr(model.base_model, "layers", None)) is None:
         raise InputError(f"--lora-rank: {name} has no decoder layers at .layers")
-    linear = {name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules()
-              if isinstance(m, torch.nn.Linear)}  # fmt: skip
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, m in layers[0].named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     if missing := [t for t in targets(args) if t not in linear]:
         have = ", ".join(sorted(linear))
-        raise InputError(f"--lora-target-modules: {name} has no linear layer {missing[0]!r} "
-                         f"in its decoder layers (they have: {have})")  # fmt: skip
+        raise InputError(
+            f"--lora-target-modules: {name} has no linear layer {missing[0]!r} "
+            f"in its decoder layers (they have: {have})"
+        )
 
 
 def engine_lora(args) -> dict | None:
@@ -100,8 +108,12 @@ def spec(args, whole=()) -> dict | None:
     """LoRA flags a trainer needs (None when --lora-rank is 0); `whole`: modules trained whole."""
     if not args.lora_rank:
         return None
-    config = dict(r=args.lora_rank, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
-                  target_modules=targets(args))  # fmt: skip
+    config = dict(
+        r=args.lora_rank,
+        lora_alpha=alpha(args),
+        lora_dropout=args.lora_dropout,
+        target_modules=targets(args),
+    )
     return dict(config=config, whole=tuple(whole))
 
 
@@ -144,8 +156,11 @@ class Disabled:
 def adapter_tensors(model, dtype=None) -> dict:
     """{key in adapter_model.safetensors: gathered CPU copy (not an FSDP2 view)} of each trained
     param, in `dtype` if given (all ranks call it)."""
-    return {PREFIX + n.replace(".default.", "."): full_tensor(p).to("cpu", dtype, copy=True)
-            for n, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+    return {
+        PREFIX + n.replace(".default.", "."): full_tensor(p).to("cpu", dtype, copy=True)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def write_adapter(folder: str, tensors: dict, config: dict) -> None:

@@ -60,14 +60,26 @@ def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
     heads, hidden = text.num_attention_heads, text.hidden_size
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     rank, targets = lora
-    adapted = [m for layer in model.base_model.layers for name, m in layer.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets]  # fmt: skip
+    adapted = [
+        m
+        for layer in model.base_model.layers
+        for name, m in layer.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
+    ]
     adapters = sum(rank * (m.in_features + m.out_features) for m in adapted)
     adapters += hidden if rank and head != "lm" else 0
-    return Shape(params=params, layer=max(layers), root=params - sum(layers), layers=len(layers),
-                 hidden=hidden, intermediate=getattr(text, "intermediate_size", 4 * hidden),
-                 kv=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
-                 adapters=adapters, masked=needs_mask(config))  # fmt: skip
+    return Shape(
+        params=params,
+        layer=max(layers),
+        root=params - sum(layers),
+        layers=len(layers),
+        hidden=hidden,
+        intermediate=getattr(text, "intermediate_size", 4 * hidden),
+        kv=getattr(text, "num_key_value_heads", heads) * head_dim,
+        vocab=text.vocab_size,
+        adapters=adapters,
+        masked=needs_mask(config),
+    )
 
 
 @dataclass(frozen=True)
@@ -131,15 +143,20 @@ def needs(job: Job, capacity: float) -> list[tuple[str, str, dict]]:
 
     if not job.colocate:  # a GPU of each kind the job has (a kind it lacks: no parts)
         ctx = {"CUDA contexts": CONTEXT}
-        rows = [("trainer GPU", "training", {**busy, **ref}),
-                ("critic GPU", "training", critic_busy), ("engine GPU", "generating", engine),
-                ("reward-model GPU", "scoring", rm)]  # fmt: skip
+        rows = [
+            ("trainer GPU", "training", {**busy, **ref}),
+            ("critic GPU", "training", critic_busy),
+            ("engine GPU", "generating", engine),
+            ("reward-model GPU", "scoring", rm),
+        ]
         return [(gpu, phase, {**ctx, **parts}) for gpu, phase, parts in rows if parts]
     # Colocated (hybrid engine): every model on GPU 0, taking turns; phases differ in what is held.
     ctx = {"CUDA contexts": (1 + bool(job.engines) + (job.critic is not None) + bool(rm)) * CONTEXT}
     parked = {} if job.offload else {**critic_idle, **rm}  # offloaded: in host RAM until needed
-    rows = [("GPU 0", "generating", {**ctx, **engine, **idle, **ref, **parked}),
-            ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked})]  # fmt: skip
+    rows = [
+        ("GPU 0", "generating", {**ctx, **engine, **idle, **ref, **parked}),
+        ("GPU 0", "training the policy", {**ctx, **busy, **ref, **parked}),
+    ]
     if job.critic is not None:  # the reward model waits on the GPU unless offloaded to host RAM
         critic = {**ctx, **idle, **ref, **critic_busy, **({} if job.offload else rm)}
         rows.append(("GPU 0", "training the critic", critic))
@@ -179,10 +196,12 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
         job = offloaded if fits(offloaded := replace(job, offload=True), capacity) else job
     if not engine_weights_fit(job, capacity):
         need, short = BYTES[job.dtype] * job.policy.params / job.engine_tp / GiB, SHORT[job.dtype]
-        raise InputError(f"memory plan: the engine's {short} weights ({need:.1f} GiB per GPU) do "
-                         f"not fit --engine-memory {job.engine_memory:g} of "
-                         f"{capacity / GiB:.0f} GiB with room for a KV cache: raise --engine-memory"
-                         + ("" if job.colocate else " or --engine-tp"))  # fmt: skip
+        raise InputError(
+            f"memory plan: the engine's {short} weights ({need:.1f} GiB per GPU) do "
+            f"not fit --engine-memory {job.engine_memory:g} of "
+            f"{capacity / GiB:.0f} GiB with room for a KV cache: raise --engine-memory"
+            + ("" if job.colocate else " or --engine-tp")
+        )
     if (worst := peak(job, capacity))[3] > capacity:
         fixes = []  # up to three flag changes that make it fit, cheapest first
         if lora_job is not None and fits(lora_job, capacity):
@@ -208,9 +227,23 @@ def check(job: Job, capacity: float | None, lora_job: Job | None = None) -> tupl
     return job, f"memory plan: {describe(worst, capacity)}: fits{note}"
 
 
-def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, reward_model=None,
-              *, tokens: int, longest=0, top_p=1.0, colocate=False, critics=0, head="lm",
-              entropy=False, teacher=None) -> bool:  # fmt: skip
+def check_run(
+    flags,
+    use_gpu: bool,
+    policy: str,
+    reference=False,
+    critic=None,
+    reward_model=None,
+    *,
+    tokens: int,
+    longest=0,
+    top_p=1.0,
+    colocate=False,
+    critics=0,
+    head="lm",
+    entropy=False,
+    teacher=None,
+) -> bool:
     """GPU: plan a run (model folders), print the plan, refuse it if it cannot fit; return whether
     idle models are offloaded. `flags`: the run's flag groups; the script's by keyword (tokens:
     --max-tokens-per-micro-batch; longest: prompt + response; entropy: H_t, a head chunk more;
@@ -224,13 +257,16 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
         size = engine_memory(flags, False)
         here = 1 if "RAY_ADDRESS" in os.environ else engines  # engines on this machine
         if size < need:
-            raise InputError(f"--engine-memory {size:g} GiB of KV cache cannot hold one prompt + "
-                             f"response ({longest} tokens) of this model: give it at least "
-                             f"{math.ceil(need * 100) / 100:g}")  # fmt: skip
+            raise InputError(
+                f"--engine-memory {size:g} GiB of KV cache cannot hold one prompt + "
+                f"response ({longest} tokens) of this model: give it at least "
+                f"{math.ceil(need * 100) / 100:g}"
+            )
         if here * size * GiB > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
             each = f" for each of {here} engines" if here > 1 else ""
-            raise InputError(f"--engine-memory {size:g} GiB of KV cache{each} is more than this "
-                             "machine's RAM")  # fmt: skip
+            raise InputError(
+                f"--engine-memory {size:g} GiB of KV cache{each} is more than this machine's RAM"
+            )
     if not use_gpu:
         return False
     if engines:  # vLLM refuses some models in float16: before anything loads
@@ -242,16 +278,24 @@ def check_run(flags, use_gpu: bool, policy: str, reference=False, critic=None, r
 
     def plan(rank: int) -> Job:  # with LoRA adapters of this rank (0: every weight trained)
         return Job(
-            policy=shape_of(policy, head, (rank, targets)), trainers=flags.num_trainers,
-            sp=flags.sp_size, tokens=tokens, checkpointing=flags.gradient_checkpointing,
-            reference=reference and not rank, lm_head=chunks, engines=engines,
-            engine_tp=flags.engine_tp if engines else 1, colocate=colocate, critics=critics,
+            policy=shape_of(policy, head, (rank, targets)),
+            trainers=flags.num_trainers,
+            sp=flags.sp_size,
+            tokens=tokens,
+            checkpointing=flags.gradient_checkpointing,
+            reference=reference and not rank,
+            lm_head=chunks,
+            engines=engines,
+            engine_tp=flags.engine_tp if engines else 1,
+            colocate=colocate,
+            critics=critics,
             engine_memory=engine_memory(flags, True, colocate) if engines else 0.0,
             critic=shape_of(critic, "score", (rank, targets)) if critic else None,
             reward_model=shape_of(reward_model, "score") if reward_model else None,
             dtype=flags.dtype if flags.dtype in BYTES else "bfloat16",  # "auto": 2 B, as bf16
-            ema=getattr(flags, "ema_beta", 0) > 0, teacher=shape_of(teacher) if teacher else None,
-        )  # fmt: skip
+            ema=getattr(flags, "ema_beta", 0) > 0,
+            teacher=shape_of(teacher) if teacher else None,
+        )
 
     # one GPU's bytes: $POSTTRAIN_GPU_MEMORY_GIB, else nvidia-smi's (no CUDA here), else unknown
     capacity = float(os.environ.get("POSTTRAIN_GPU_MEMORY_GIB") or 0) * GiB or None

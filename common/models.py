@@ -49,10 +49,12 @@ def model_folder(name: str, folder: str, what: str) -> str:
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     if any(os.path.isfile(f"{folder}/{sub}adapter_config.json") for sub in ("", "adapter/")):
-        raise InputError(f"--model {name!r} holds LoRA adapters (PEFT's adapter_config.json), not "
-                         "a model: a LoRA run's merged model is its checkpoints/final; to go on "
-                         "training the adapters, --resume the run "
-                         "(with --model its base)")  # fmt: skip
+        raise InputError(
+            f"--model {name!r} holds LoRA adapters (PEFT's adapter_config.json), not "
+            "a model: a LoRA run's merged model is its checkpoints/final; to go on "
+            "training the adapters, --resume the run "
+            "(with --model its base)"
+        )
     raise InputError(f"{what} {name!r} has no config.json")
 
 

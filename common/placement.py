@@ -65,8 +65,11 @@ def init_ray(num_bundles: int = 0) -> None:
         return
     if "RAY_ADDRESS" not in os.environ and (alive := lifetime.other_ray_processes()):
         named = ", ".join(alive[:4]) + (", ..." if len(alive) > 4 else "")
-        print(f"note: {len(alive)} Ray processes not of this run are alive here ({named}): another "
-              "run's or program's; `kill` them if you need their memory", flush=True)  # fmt: skip
+        print(
+            f"note: {len(alive)} Ray processes not of this run are alive here ({named}): another "
+            "run's or program's; `kill` them if you need their memory",
+            flush=True,
+        )
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")  # `ray job`'s env_vars: `env` wins
     # Actors import `common` and the scripts' modules: the repo is importable wherever they start.
@@ -140,8 +143,16 @@ class Layout:
     engine i, critic rank i and the reward model (bundle 0) share rank i's GPU equally (turns: vLLM
     sleeps while others train), not its CPU (asking twice hangs). CPU: a one-CPU bundle each."""
 
-    def __init__(self, use_gpu: bool, trainers: int, engines=0, engine_tp=1, colocate=False,
-                 critics=0, reward_model=False):  # fmt: skip
+    def __init__(
+        self,
+        use_gpu: bool,
+        trainers: int,
+        engines=0,
+        engine_tp=1,
+        colocate=False,
+        critics=0,
+        reward_model=False,
+    ):
         gpu = 1.0 if use_gpu else 0.0
         if not colocate:
             self.bundles = [1] * (trainers + critics) + [engine_tp] * engines + [1] * reward_model
@@ -200,8 +211,10 @@ def spawn_trainers(actor_cls, pg, slots: list[Slot], *args, **kwargs) -> list:
     master_addr (rank 0's node), master_port, **kwargs), still loading on return: wait_started, or
     hand them to spawn_engines (they load meanwhile). Its __init__ calls `init_distributed`."""
     addr, port = rendezvous_address(pg, slots[0].bundle)
-    return [actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port, **kwargs)
-            for r, s in enumerate(slots)]  # fmt: skip
+    return [
+        actor_cls.options(**s.options(pg)).remote(*args, r, len(slots), addr, port, **kwargs)
+        for r, s in enumerate(slots)
+    ]
 
 
 def start_trainers(actor_cls, use_gpu: bool, num_trainers: int, *args, **kwargs) -> list:
@@ -243,8 +256,10 @@ def call(actors: list, method: str, *args, per_rank=None, timeout=RPC_TIMEOUT_S,
     `per_rank[i]` first if given, and wait. One dead or silent for `timeout` s, or one of `watch`
     (busy: engines) dying, is a one-line RunError, not a hang (shutdown cancels the rest)."""
     name, fn = (method, ()) if isinstance(method, str) else ("run", (method,))
-    refs = [getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args)
-            for i, a in enumerate(actors)]  # fmt: skip
+    refs = [
+        getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args)
+        for i, a in enumerate(actors)
+    ]
     return wait_all(refs, actor_names(actors), getattr(method, "__name__", method), timeout, watch)
 
 

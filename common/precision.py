@@ -36,16 +36,20 @@ def check_gpu(dtype: str, name: str, capability: tuple[int, int]) -> str:
     """The dtype to compute in on this GPU (--dtype; "auto" chooses), or one line saying why not."""
     cc = "{}.{}".format(*capability)
     if tuple(capability) < OLDEST:
-        raise InputError(f"the {name} (compute capability {cc}) is older than the pinned CUDA 13 "
-                         "build of torch and vLLM supports (7.5 and newer: T4, A10, L4, A100, "
-                         "H100, ...); use one of those, or the CPU stack: "
-                         "POSTTRAIN_CPU=1 make demo")  # fmt: skip
+        raise InputError(
+            f"the {name} (compute capability {cc}) is older than the pinned CUDA 13 "
+            "build of torch and vLLM supports (7.5 and newer: T4, A10, L4, A100, "
+            "H100, ...); use one of those, or the CPU stack: "
+            "POSTTRAIN_CPU=1 make demo"
+        )
     if dtype == "auto":
         return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
     if dtype == "bfloat16" and tuple(capability) < (8, 0):
-        raise InputError(f"--dtype bfloat16 needs compute capability 8.0 or newer (Ampere); the "
-                         f"{name} has {cc}: use --dtype float16 (its default) "
-                         "or float32")  # fmt: skip
+        raise InputError(
+            f"--dtype bfloat16 needs compute capability 8.0 or newer (Ampere); the "
+            f"{name} has {cc}: use --dtype float16 (its default) "
+            "or float32"
+        )
     return dtype
 
 
@@ -122,11 +126,16 @@ class LossScale:
                 self.value *= 2
             return False
         if self.value <= 1:  # an overflow not of the scale's doing: the forward pass's
-            raise FloatingPointError("non-finite gradients in float16 at a loss scale of 1 at "
-                                     f"step {step + 1}: the model overflows float16; use "
-                                     "--dtype float32")  # fmt: skip
+            raise FloatingPointError(
+                "non-finite gradients in float16 at a loss scale of 1 at "
+                f"step {step + 1}: the model overflows float16; use "
+                "--dtype float32"
+            )
         self.value, self.good = self.value / 2, 0
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            print(f"step {step + 1}: float16 gradients overflowed: no update, loss scale now "
-                  f"{self.value:g}", flush=True)  # fmt: skip
+            print(
+                f"step {step + 1}: float16 gradients overflowed: no update, loss scale now "
+                f"{self.value:g}",
+                flush=True,
+            )
         return True

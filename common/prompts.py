@@ -23,7 +23,9 @@ def encode_prompts(rows: list[dict], source: str, tokenizer, max_length: int, dr
     """Every prompt tokenized, as [Prompt]. Prompts over max_length (--max-prompt-length) stop the
     run, naming the first, or with drop_long (--drop-long) are left out."""
     ids = [data.encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    prompts = [Prompt(p, str(r.get("answer")), r["prompt"], row)
-               for row, (p, r) in enumerate(zip(ids, rows), 1)]  # fmt: skip
+    prompts = [
+        Prompt(p, str(r.get("answer")), r["prompt"], row)
+        for row, (p, r) in enumerate(zip(ids, rows), 1)
+    ]
     lengths, flag = [len(p) for p in ids], "--max-prompt-length"
     return data.within(prompts, lengths, max_length, drop_long, source, "prompts", flag)

@@ -101,8 +101,9 @@ def enable_ring_attention(model, group) -> None:
     model.set_attn_implementation(RING)
 
 
-def ring_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                           **kwargs):  # fmt: skip
+def ring_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
     """For AttentionInterface: query (1, H, T, D), k/v (1, Hkv, T, D) -> ((1, T, H, D), None)."""
     if query.shape[0] != 1 or kwargs.get("position_ids") is None:
         raise ValueError("ring attention takes one packed row (batch 1) with position_ids")

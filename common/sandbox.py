@@ -42,18 +42,42 @@ def _wrapper(how: str | None, disk_mb: int) -> list[str]:
         userns = ["-r"] if os.getuid() else []
         unshare = ["unshare", *userns, "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
         return unshare if how else []
-    want = {*"/usr /bin /sbin /lib /lib32 /lib64 /etc".split(), sys.prefix, sys.base_prefix,
-            os.path.dirname(os.path.realpath(sys.executable))}  # fmt: skip
+    want = {
+        *"/usr /bin /sbin /lib /lib32 /lib64 /etc".split(),
+        sys.prefix,
+        sys.base_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+    }
     keep = sorted(p for p in want if not any(p.startswith(q + "/") for q in want))
     above = sorted({p[:i] for p in keep for i in range(1, len(p)) if p[i] == "/"} - {"/tmp"})
     # the private /tmp first: a Python under /tmp (a CI clone's) is bound on it, not hidden by it
-    return ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--die-with-parent", *(["--unshare-user"] if os.getuid() else
-                                   ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]),
-            "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
-            *[a for p in above for a in ("--perms", "0755", "--dir", p)],
-            *[a for p in keep for a in ("--ro-bind-try", p, p)], "--proc", "/proc",
-            "--dev", "/dev", "--chdir", "/tmp"]  # fmt: skip
+    return [
+        "bwrap",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--die-with-parent",
+        *(
+            ["--unshare-user"]
+            if os.getuid()
+            else ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        ),
+        "--perms",
+        "1777",
+        "--size",
+        str(disk_mb << 20),
+        "--tmpfs",
+        "/tmp",
+        *[a for p in above for a in ("--perms", "0755", "--dir", p)],
+        *[a for p in keep for a in ("--ro-bind-try", p, p)],
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--chdir",
+        "/tmp",
+    ]
 
 
 @functools.cache
@@ -103,8 +127,14 @@ def check(mode: str) -> str:
     return describe(held)
 
 
-def run_python(code: str, *, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 2000,
-               max_procs: int = 16) -> str:  # fmt: skip
+def run_python(
+    code: str,
+    *,
+    timeout: float = 5.0,
+    memory_mb: int = 512,
+    max_output: int = 2000,
+    max_procs: int = 16,
+) -> str:
     """Its stdout and stderr, merged and cut at max_output characters, then a line for a time-out,
     a kill or a non-zero exit status. Never raises; nothing of it outlives the call."""
     held = probe()  # its network mechanism is the wrapper; root's program: a uid of its own
@@ -121,9 +151,15 @@ def _run(code, how, drop, timeout, memory_mb, max_output, max_procs) -> str:
     with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as tmp:
         os.chown(tmp, uid or -1, uid or -1)  # the cwd, for root's drop (bwrap's is a tmpfs)
         try:
-            p = subprocess.Popen([*argv, *map(str, limits)], cwd=tmp, env=ENV,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            p = subprocess.Popen(
+                [*argv, *map(str, limits)],
+                cwd=tmp,
+                env=ENV,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except (OSError, ValueError) as e:  # a wrapper gone; too long, a NUL, a lone surrogate
             return f"error: could not start python ({getattr(e, 'strerror', None) or e})"
         deadline, ready = time.monotonic() + timeout, select.poll()  # select(): fds < 1024 only
@@ -144,9 +180,17 @@ def _run(code, how, drop, timeout, memory_mb, max_output, max_procs) -> str:
     if cut or len(text) > max_output:
         text = f"{text[:max_output]}\n... [output cut at {max_output} characters]"
     sig = -rc if rc and rc < 0 else rc - 128 if how == "bubblewrap" and 128 < (rc or 0) < 160 else 0
-    note = ("" if cut else f"error: timed out after {timeout:g} s" if rc is None
-            else f"error: killed by signal {sig} ({signal.strsignal(sig)})" if sig
-            else f"exit status {rc}" if rc else "")  # fmt: skip
+    note = (
+        ""
+        if cut
+        else f"error: timed out after {timeout:g} s"
+        if rc is None
+        else f"error: killed by signal {sig} ({signal.strsignal(sig)})"
+        if sig
+        else f"exit status {rc}"
+        if rc
+        else ""
+    )
     return text + ("\n" if note and text and not text.endswith("\n") else "") + note
 
 

@@ -55,8 +55,12 @@ class Run:
                 with open(os.path.join(self.dir, name), "w") as f:
                     f.writelines(_json_line(r) for r in rows if r.get("step", 0) <= resume_step)
             clean_checkpoints(os.path.join(self.dir, "checkpoints"))
-        config = {"args": dataclasses.asdict(args), "script": os.path.basename(sys.argv[0]),
-                  "argv": sys.argv, **_provenance()}  # fmt: skip
+        config = {
+            "args": dataclasses.asdict(args),
+            "script": os.path.basename(sys.argv[0]),
+            "argv": sys.argv,
+            **_provenance(),
+        }
         name = "config.json" if not resume_step else f"config.resume_{resume_step}.json"
         write_json(os.path.join(self.dir, name), config, indent=2, default=str)
         self.wandb = None

@@ -97,8 +97,22 @@ def lr_at(step: int, peak: float, warmup_steps: int, num_steps: int, min_lr_rati
 class Trainer:
     averaged = True  # --ema-beta keeps θ_ema of this model (the Critic: no)
 
-    def __init__(self, load, policy: str, start: str, args, rank, world, addr, port, *, frozen=(),
-                 whole=(), learning_rate=None, offload=False):  # fmt: skip
+    def __init__(
+        self,
+        load,
+        policy: str,
+        start: str,
+        args,
+        rank,
+        world,
+        addr,
+        port,
+        *,
+        frozen=(),
+        whole=(),
+        learning_rate=None,
+        offload=False,
+    ):
         """`load(path, device, gradient_checkpointing, adapters, dtype)`: the script's loader for
         `policy` (the model, or the checkpoint to resume); `start`: the start model (π_ref, LoRA's
         base). From `args`, the script's flags: Resources (seed, sp_size, dtype,
@@ -122,8 +136,9 @@ class Trainer:
         self.frozen = {n: self.frozen_model(load, p, start, adapters) for n, p in frozen}
         decay = args.weight_decay  # LoRA: only the adapters are trained
         self.optimizer = optim.make_optimizer(self.model, args.optimizer, self.learning_rate, decay)
-        self.ema = self.averaged and args.ema_beta and optim.ema_start(  # θ_ema: this rank's shards
-            self.model, load, policy, self.device, args.dtype)  # fmt: skip
+        self.ema = None  # θ_ema (--ema-beta): this rank's shards of it
+        if self.averaged and args.ema_beta:
+            self.ema = optim.ema_start(self.model, load, policy, self.device, args.dtype)
         self.scaler = LossScale(compute_dtype(self.device, args.dtype))  # float16 only
         self.on_gpu(False)
 
@@ -165,8 +180,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0
         if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite loss or gradient norm ({grad_norm.item()}) at "
-                                     f"step {step + 1}")  # fmt: skip
+            raise FloatingPointError(
+                f"non-finite loss or gradient norm ({grad_norm.item()}) at step {step + 1}"
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema:

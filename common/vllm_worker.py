@@ -42,8 +42,10 @@ class Whole:
         expected = {name.replace(".base_layer.", ".") for name, _ in self.model.named_parameters()}
         if missing := sorted(n for n in expected - self.received if not n.endswith(KV_SCALES)):
             named = f"{missing[0]} and {len(missing) - 1} more" if len(missing) > 1 else missing[0]
-            raise RuntimeError(f"the weight update set {len(expected) - len(missing)} of the "
-                               f"engine's {len(expected)} weights; missing: {named}")  # fmt: skip
+            raise RuntimeError(
+                f"the weight update set {len(expected) - len(missing)} of the "
+                f"engine's {len(expected)} weights; missing: {named}"
+            )
 
 
 def gloo_group(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -163,8 +165,11 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
 
 
 # The engines' backends (engines.py): ours for CPU, vLLM's for GPUs apart (nccl) or shared (ipc)
-for name, cls in [("gloo", GlooWeightTransferEngine), ("nccl", NCCLWeightTransferEngine),
-                  ("ipc", IPCWeightTransferEngine)]:  # fmt: skip
+for name, cls in [
+    ("gloo", GlooWeightTransferEngine),
+    ("nccl", NCCLWeightTransferEngine),
+    ("ipc", IPCWeightTransferEngine),
+]:
     checked = type(f"Checked{cls.__name__}", (Whole, cls), {})
     factory.WeightTransferEngineFactory.register_engine(f"checked-{name}", checked)
 factory.WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)

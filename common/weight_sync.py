@@ -155,8 +155,17 @@ class WeightSync:
         return gap
 
 
-def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, address: tuple,
-                     tp: int, dtype, merge_lora: bool = False) -> WeightSync:  # fmt: skip
+def init_weight_sync(
+    model,
+    tokenizer,
+    engines: list,
+    backend: str,
+    rank: int,
+    address: tuple,
+    tp: int,
+    dtype,
+    merge_lora: bool = False,
+) -> WeightSync:
     """The trainer side, built on every rank (a collective); rank 0 meets the engines at `address`.
     Weights travel in the engines' `dtype` (bf16 on GPU: half fp32's bytes). LoRA models send only
     the adapters (`merge_lora`: merged weights), once here: engines loaded only the base model."""
@@ -176,8 +185,11 @@ def init_weight_sync(model, tokenizer, engines: list, backend: str, rank: int, a
         """The engines' dtype: each FSDP2 shard cast, then gathered; with LoRA, W + (α / r) B A."""
 
         def metadata(self):
-            return [ParamMeta(n.replace(".base_layer.", "."), dtype, tuple(p.shape))
-                    for n, p in self._module.named_parameters() if ".lora_" not in n]  # fmt: skip
+            return [
+                ParamMeta(n.replace(".base_layer.", "."), dtype, tuple(p.shape))
+                for n, p in self._module.named_parameters()
+                if ".lora_" not in n
+            ]
 
         def __iter__(self):
             if lora.on(self._module):

@@ -629,8 +629,10 @@ def test_weights_and_best_checkpoint_flags(run, name):
         assert run(name, *flags).startswith(f"error: {expected}")
     module = importlib.import_module(name)
     choices = [("--optimizer", "sgd", "adamw, muon"), ("--best-mode", "avg", "max, min")]
-    if name in ("grpo", "dapo", "grpo_async", "grpo_tools"):
-        choices.append(("--is-correction", "clip", "tis, icepop"))
+    if name in ("grpo", "dapo", "grpo_async", "grpo_tools", "distill"):
+        choices.append(("--is-correction", "clip", "tis, icepop, seq-mask"))
+    if name == "ppo":
+        choices.append(("--is-correction", "clip", "none, tis, icepop"))
     for flag, bad, allowed in choices:
         with pytest.raises(SystemExit) as e:
             parse_args(module.Args, [flag, bad])
