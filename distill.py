@@ -604,10 +604,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     # DISTILL (teacher): a frozen copy of the start model, or another model's folder
     teacher = next((path for _, path in frozen_models(args)), None)
     start_copy = not args.teacher and not args.live_teacher
-    memory.check_run(args, use_gpu, model_path, start_copy, colocate=args.colocate,
-                     tokens=args.max_tokens_per_micro_batch, top_p=args.top_p, entropy=entropy,
-                     longest=args.max_prompt_length + args.max_response_length,
-                     teacher=teacher)  # fmt: skip
+    memory.check_run(args, use_gpu, model_path, start_copy, entropy=entropy, teacher=teacher)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)

@@ -369,7 +369,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
     lora.check_model(args, model_path, args.model)
-    memory.check_run(args, use_gpu, model_path, True, tokens=args.max_tokens_per_micro_batch)
+    memory.check_run(args, use_gpu, model_path, True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pairs = {split: encode_pairs(*rows, tokenizer, args) for split, rows in datasets.items()}
     train, source = len(pairs["train"]), datasets["train"][1]

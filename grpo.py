@@ -531,9 +531,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     models.check_weights(model_path, "model")
     lora.check_model(args, model_path, args.model)
     entropy = "entropy" in policy_values(args)  # the LM head's chunks: one more
-    memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), colocate=args.colocate,
-                     tokens=args.max_tokens_per_micro_batch, top_p=args.top_p, entropy=entropy,
-                     longest=args.max_prompt_length + args.max_response_length)  # fmt: skip
+    memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), entropy=entropy)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)

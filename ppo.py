@@ -786,20 +786,9 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     lora.check_model(args, model_path, args.model)
     lora.check_model(args, critic_path, args.critic_model or args.model)
     # a run that cannot fit stops here; colocated, the critic and reward model may wait in host RAM
-    offload = memory.check_run(
-        args,
-        use_gpu,
-        model_path,
-        True,
-        critic_path,
-        reward_model_path,
-        tokens=args.max_tokens_per_micro_batch,
-        top_p=args.top_p,
-        longest=args.max_prompt_length + args.max_response_length,
-        colocate=args.colocate,
-        critics=args.num_critics,
-        entropy="entropy" in policy_values(args),
-    )
+    entropy = "entropy" in policy_values(args)  # the LM head's chunks: one more
+    folders = model_path, True, critic_path, reward_model_path  # True: π_ref too
+    offload = memory.check_run(args, use_gpu, *folders, entropy=entropy)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = {
         split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)

@@ -280,7 +280,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
     lora.check_model(args, model_path, args.model)
-    memory.check_run(args, use_gpu, model_path, tokens=args.max_tokens_per_micro_batch)
+    memory.check_run(args, use_gpu, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     sequences = {split: encode_rows(*rows, tokenizer, args) for split, rows in datasets.items()}
     train, source = len(sequences["train"]), datasets["train"][1]

@@ -235,20 +235,19 @@ def check_run(
     critic=None,
     reward_model=None,
     *,
-    tokens: int,
-    longest=0,
-    top_p=1.0,
-    colocate=False,
-    critics=0,
     head="lm",
     entropy=False,
     teacher=None,
 ) -> bool:
     """GPU: plan a run (model folders), print the plan, refuse it if it cannot fit; return whether
-    idle models are offloaded. `flags`: the run's flag groups; the script's by keyword (tokens:
-    --max-tokens-per-micro-batch; longest: prompt + response; entropy: H_t, a head chunk more;
-    teacher: distill.py's frozen model's folder). CPU: each engine's KV cache holds a prompt +
-    response (else vLLM won't start), and all fit in RAM."""
+    idle models are offloaded. `flags`: the run's flags, read here (--max-tokens-per-micro-batch,
+    the longest prompt + response, --top-p, --colocate, --num-critics where a script has them); by
+    keyword what the script decides (entropy: H_t, a head chunk more; teacher: distill.py's frozen
+    model's folder). CPU: each engine's KV cache holds a prompt + response (else vLLM won't start),
+    and all fit in RAM."""
+    tokens, critics = flags.max_tokens_per_micro_batch, getattr(flags, "num_critics", 0)
+    longest = getattr(flags, "max_prompt_length", 0) + getattr(flags, "max_response_length", 0)
+    top_p, colocate = getattr(flags, "top_p", 1.0), getattr(flags, "colocate", False)
     engines = getattr(flags, "num_engines", 0)  # the RL scripts'
     if not use_gpu and engines:
         shape = shape_of(policy)

@@ -18,14 +18,6 @@ from common.memory import GiB, Job
 H100 = memory_plan.H100
 
 
-def script_values(args) -> dict:
-    """What an RL script gives memory.check_run from its own flags, by keyword (its prepare_inputs:
-    the wiring is tested by test_every_script_is_planned_from_its_own_defaults)."""
-    longest = args.max_prompt_length + args.max_response_length
-    return dict(tokens=args.max_tokens_per_micro_batch, longest=longest, top_p=args.top_p,
-                colocate=args.colocate, critics=getattr(args, "num_critics", 0))  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def shapes():
     return {name: memory_plan.shape(name) for name in memory_plan.CONFIGS}
@@ -169,21 +161,21 @@ def test_check_run_plans_from_the_scripts_flags(monkeypatch, capsys, tiny_model)
     args = grpo.Args(model=tiny_model, colocate=True)
     grpo.validate_args(args)
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "80")
-    assert memory.check_run(args, True, tiny_model, **script_values(args)) is False
+    assert memory.check_run(args, True, tiny_model) is False
     assert re.fullmatch(
         r"memory plan: GPU 0 generating needs 34\.1 GiB of 80 \(.*\): fits\n",
         capsys.readouterr().out,
     )
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "1")
     with pytest.raises(SystemExit, match="^error: memory plan: GPU 0 .* of 1 "):
-        memory.check_run(args, True, tiny_model, **script_values(args))
-    assert memory.check_run(args, False, tiny_model, **script_values(args)) is False  # CPU: no plan
+        memory.check_run(args, True, tiny_model)
+    assert memory.check_run(args, False, tiny_model) is False  # CPU: no plan
     assert capsys.readouterr().out == ""
     planned = []
     monkeypatch.setattr(memory, "check", lambda job, *a: planned.append(job) or (job, ""))
     for beta in (0.0, 0.99):  # --ema-beta reaches the plan
         args.ema_beta = beta
-        memory.check_run(args, True, tiny_model, **script_values(args))
+        memory.check_run(args, True, tiny_model)
     assert [job.ema for job in planned] == [False, True]
 
 
@@ -291,13 +283,13 @@ def test_7b_fits_one_gpu_with_lora_and_full_fine_tuning_is_told_so(
     paths = (str(tmp_path), str(tmp_path)) if name == "ppo" else ()
     args = module.Args(**flags, lora_rank=16)
     module.validate_args(args)
-    memory.check_run(args, True, str(tmp_path), True, *paths, **script_values(args))
+    memory.check_run(args, True, str(tmp_path), True, *paths)
     assert re.fullmatch(r"memory plan: GPU 0 .* needs \d+\.\d GiB of 80 \(.*frozen bf16 base 14\.2.*\): fits.*\n",
                         capsys.readouterr().out)  # fmt: skip
     args = module.Args(**flags)
     module.validate_args(args)
     with pytest.raises(SystemExit, match=r"does not fit; it would fit with --lora-rank 16"):
-        memory.check_run(args, True, str(tmp_path), True, *paths, **script_values(args))
+        memory.check_run(args, True, str(tmp_path), True, *paths)
 
 
 def test_engine_memory_is_checked_and_defaulted_in_one_place():

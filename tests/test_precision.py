@@ -129,8 +129,7 @@ def test_the_memory_plan_counts_the_dtype(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("POSTTRAIN_GPU_MEMORY_GIB", "15")
     args = grpo.Args(model=str(tmp_path), colocate=True, dtype="float16", lora_rank=16)
     grpo.validate_args(args)
-    memory.check_run(args, True, str(tmp_path), tokens=args.max_tokens_per_micro_batch, top_p=1.0,
-                     longest=args.max_prompt_length + args.max_response_length, colocate=True)  # fmt: skip
+    memory.check_run(args, True, str(tmp_path))
     assert re.fullmatch(r"memory plan: GPU 0 generating needs [\d.]+ GiB of 15 \(.*frozen fp16 "
                         r"base 0\.9.*\): fits\n", capsys.readouterr().out)  # fmt: skip
 
@@ -272,11 +271,13 @@ def test_models_vllm_will_not_serve_in_float16_are_refused_before_anything_loads
     args = grpo.Args(model=path, dtype=dtype)
     monkeypatch.setattr(memory, "check", lambda job, *a: (job, "planned"))  # the plan: not here
     monkeypatch.setattr(memory, "shape_of", lambda *a, **k: None)
-    call = lambda: memory.check_run(args, True, path, tokens=512, longest=64)  # noqa: E731
+    args.max_tokens_per_micro_batch = 512
+    call = lambda: memory.check_run(args, True, path)  # noqa: E731
     if refused:
         with pytest.raises(SystemExit, match=f"^error: vLLM does not serve {kind} models in "):
             call()
     else:
         call()
     sft_args = grpo.Args(model=path, dtype=dtype, num_engines=0)  # no engines: not vLLM's concern
-    memory.check_run(sft_args, True, path, tokens=512)
+    sft_args.max_tokens_per_micro_batch = 512
+    memory.check_run(sft_args, True, path)
