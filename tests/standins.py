@@ -125,7 +125,7 @@ class NoOpTrainer:
     def push_weights(self):
         pass
 
-    def check_weights(self):
+    def probe_engines(self):
         pass
 
 

@@ -122,7 +122,7 @@ def test_colocated_trainer_frees_cuda_cache_after_train_step(
     trainer.run(module.train_step, micro_batches, 0)  # as call(trainers, train_step, ...) does
     assert freed, f"{name}.py's colocated trainer did not call torch.cuda.empty_cache()"
     freed.clear()
-    trainer.settings["colocate"] = False
+    trainer.args.colocate = False
     trainer.run(module.train_step, micro_batches, 1)
     assert not freed  # not colocated: the cache stays, the next step reuses it
 

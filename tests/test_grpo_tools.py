@@ -427,6 +427,8 @@ def test_a_cut_output_keeps_how_the_program_ended_and_failures_are_counted():
     )  # a line that only looks so
     from common import sandbox
 
+    if unsafe := sandbox.probe().get("unsafe"):  # root, no bubblewrap, a Python under /root
+        pytest.skip(f"no safe sandbox here: {unsafe}; {sandbox.HOW_TO_GET}")
     text, failed = clip_output(sandbox.run_python("1 / 0"), 200)
     assert failed and "ZeroDivisionError" in text and text.endswith("exit status 1")
     slow = sandbox.run_python("print('x' * 300, flush=True)\nimport time\ntime.sleep(5)", timeout=1)
@@ -564,6 +566,8 @@ def test_sandboxed_calls_at_once_give_the_episodes_one_at_a_time_gives(monkeypat
     tokens as when they run one by one."""
     from common import sandbox
 
+    if unsafe := sandbox.probe().get("unsafe"):  # root, no bubblewrap, a Python under /root
+        pytest.skip(f"no safe sandbox here: {unsafe}; {sandbox.HOW_TO_GET}")
     script = [
         ["<python>print(6*7)</python>", "42<EOS>"],
         ["<python>print(2**10)</python>", "1<EOS>"],

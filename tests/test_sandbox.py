@@ -40,6 +40,15 @@ if os.fork() == 0:
 print("escaped")"""
 
 
+@pytest.fixture(autouse=True)
+def a_safe_layering(request):
+    """Where no layering runs a program as anyone but the driver's user (root without bubblewrap,
+    its Python in a folder others cannot read, e.g. /root), run_python refuses every program: the
+    tests that run one skip, saying why; the refusal itself is tested (the last test)."""
+    if HELD.get("unsafe") and not request.node.name.startswith("test_no_safe_layering"):
+        pytest.skip(f"no safe sandbox here: {HELD['unsafe']}; {sandbox.HOW_TO_GET}")
+
+
 def needs(guarantee: str) -> None:
     if not HELD[guarantee]:
         pytest.skip(f"no {guarantee} guarantee here: {sandbox.HOW_TO_GET}")
