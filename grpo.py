@@ -335,8 +335,8 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
                 values = dict(mb["values"])
                 entropy = "entropy" in policy_values(args)  # H_t, from the same forward
-                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy)  # (N,)
-                if entropy:  # (N,) log π_θ and (N,) H_t
+                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy)
+                if entropy:  # a pair: (N,) log π_θ and (N,) H_t
                     logprobs, values["entropy"] = logprobs
                 if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
                     values["old_logprobs"] = logprobs.detach()
@@ -553,7 +553,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path
     shell = load_policy, policy, model_path, args  # the loader, what it loads, the start model
-    frozen = frozen_models(args)  # π_ref's log-probabilities with --kl-coef
+    frozen = frozen_models(args)  # the frozen models compute_loss reads (frozen_models)
     trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *shell, frozen=frozen)
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
     engines = spawn_engines(

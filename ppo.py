@@ -448,8 +448,8 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
                 values = response_values(mb)
                 entropy = "entropy" in policy_values(args)  # H_t, from the same forward
-                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy)  # (N,)
-                if entropy:  # (N,) log π_θ and (N,) H_t
+                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy)
+                if entropy:  # a pair: (N,) log π_θ and (N,) H_t
                     logprobs, values["entropy"] = logprobs
                 loss, token_stats = compute_loss(logprobs, values, args)
                 real = mb["real"].item()  # 0: a filler micro-batch (ranks in lock-step)

@@ -116,11 +116,8 @@ def check_start(args, script: str, model: str, num_steps: int) -> tuple[str, str
         raise InputError(f"--resume: the run was made with --model {made_with}, not {model}")
     saved = config["args"]  # LoRA: the same adapters (shape, scale); a full fine-tuning run: none
     if (rank := saved.get("lora_rank", 0) or 0) != getattr(args, "lora_rank", 0):
-        what = (
-            f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}"
-            if rank
-            else ("fine-tuned the full model: leave out --lora-rank")
-        )
+        lora_run = f"trained LoRA adapters of rank {rank}: pass --lora-rank {rank}"
+        what = lora_run if rank else "fine-tuned the full model: leave out --lora-rank"
         raise InputError(f"--resume: the run {what}")
     was, modules = argparse.Namespace(**saved), lambda a: ",".join(sorted(set(lora.targets(a))))
     if rank:  # the same adapters: their scale, their modules (a set: in any order)
