@@ -23,7 +23,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple  # ASYNC: Call
 
 import ray  # ASYNC: the groups in flight cancelled at the end
 import torch
@@ -109,6 +109,9 @@ class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s fla
     keep_old_kv: bool = False
     """PipelineRL: after an in-flight update, keep the KV cache the old weights computed (no
     re-prefill); the tokens sampled then come from a mix of old and new weights"""
+    deterministic: bool = False
+    """step s's groups sampled by the weights of step s-K alone, each engine's calls one at a time:
+    a run and its --resume repeat exactly (slower: an update waits for the calls being sampled)"""
 
     # Optimization
     num_steps: Annotated[int, ">= 1"] = 10  # ASYNC: on 2 shared CPU cores an async step is slower
@@ -426,19 +429,22 @@ def main(args: Args):
         rows = [
             {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
              "reward": rewards[i].item(), "versions": versions[i]}  # ASYNC: tokens' weights
-            for i in range(min(len(texts), 2 * G))
+            for i in range(len(texts))  # ASYNC: every group (what each step trained)
         ]  # fmt: skip
         run.log_samples(done, rows)
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done, True, watch=engines)  # ASYNC: busy
+                rollouts.save(folder, engines)  # ASYNC: the groups sent, not trained
 
     # ---- training loop: take finished groups -> reward -> advantages -> train -> sync in flight
     first = evaluate(0) if resume_step == 0 else {}
     if first:
         run.log(0, first, ("eval/accuracy",))
-    rollouts = Rollouts(engines, prompts["train"], resume_step, args, (terms, model_path))
+    rollouts = Rollouts(
+        engines, prompts["train"], resume_step, args, (terms, model_path), resume_ckpt
+    )
     before, phases = rollouts.engine_stats(), []  # ASYNC: phases (start, data, trained, synced)
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
@@ -460,6 +466,7 @@ def main(args: Args):
         t_train = time.time()
 
         # ASYNC: push in flight (the engines pause between decoding steps), check (weight_sync.py)
+        rollouts.settle(trainers)  # --deterministic: no update lands in a call being sampled
         synced = sync_weights(trainers, engines, colocated=False)
         rollouts.fill(step + 1)  # the step after next may now be sampled
         t_sync = time.time()
@@ -509,45 +516,100 @@ def plan_minibatches(sequences: list[tuple], step: int, args: Args) -> list[list
 # their lengths (no selection by length); they are sent once the weights are those of step s - K or
 # newer, so no token lags more than K steps. Each group is scored as soon as it is sampled, by a
 # reward worker, while the trainers train. Finished groups wait in the object store: (K + 1) x B.
+# --deterministic: a step's groups are one call per engine, sent after the evaluation and sampled
+# by one version of the weights (settle: no update lands in a call); an engine takes its calls one
+# at a time, in the order sent.
+class Call(NamedTuple):
+    step: int  # the step that trains it
+    position: int  # its first group's place in the stream
+    prompts: list[Prompt]
+    groups: ray.ObjectRef  # engine k's generate: a group of G samples per prompt
+    scores: ray.ObjectRef  # reward worker k's (texts, rewards, {term: values})
+    k: int
+    start: int  # what makes the engine's weight versions steps (0: kept by a checkpoint)
+
+
 class Rollouts:
-    def __init__(self, engines: list, train: list[Prompt], start: int, args: Args, reward: tuple):
+    def __init__(self, engines, train: list[Prompt], start: int, args: Args, reward, resume=None):
         self.engines, self.train, self.args, self.B = engines, train, args, args.prompts_per_step
         # a reward worker (common/rewards.py) per engine; reward: (its terms, tokenizer's folder)
         self.scorers = [RewardWorker.remote(*reward, args.reward_timeout) for _ in engines]
         self.start = start  # the engines label their weights from 0
         self.sent = start * self.B  # groups sent: the stream's position
-        self.queue = []  # (prompt, group, scores, engine and worker k) in the order sent
+        self.queue = []  # Calls, in the order sent
+        self.last = [None] * len(engines)  # --deterministic: each engine's last call
+        path = os.path.join(resume or "", "rollouts.pt")  # Rollouts.save's, with K as it was then
+        saved = torch.load(path, weights_only=True) if resume and os.path.isfile(path) else {}
+        self.kept = saved["kept"] if saved.get("max_lag") == args.max_lag else {}  # by position
         self.fill(start)
 
     def fill(self, version: int):
-        """With weights `version` in the engines, send every step up to version + K its B groups."""
-        args, B, G = self.args, self.B, self.args.num_generations
-        while self.sent < min(version + args.max_lag + 1, args.num_steps) * B:
+        """With weights `version` in the engines, send every step up to version + K its B groups
+        (--deterministic: at the next take, after the evaluation)."""
+        self.version = version
+        if not self.args.deterministic:
+            self.send()
+
+    def send(self):
+        args, B, G, E = self.args, self.B, self.args.num_generations, len(self.engines)
+        n = -(-B // E) if args.deterministic else 1  # groups per call
+        while self.sent < min(self.version + args.max_lag + 1, args.num_steps) * B:
             draw, i = divmod(self.sent, B)  # the stream: grpo.py's batches, one after the other
-            prompt = self.train[batch_rows(draw, len(self.train), B, args.seed)[i]]
-            seed, k = sample_seeds(args.seed, draw, B)[i], self.sent % len(self.engines)
-            group = self.engines[k].generate.remote(
-                [prompt.ids], G, args.temperature, args.top_p, args.max_response_length, [seed]
-            )
-            scores = self.scorers[k].score.remote(group, prompt, f"step {draw + 1}")
-            self.queue.append((prompt, group, scores, k))
-            self.sent += 1
+            rows = batch_rows(draw, len(self.train), B, args.seed)[i : i + n]
+            prompts, seeds = [self.train[r] for r in rows], sample_seeds(args.seed, draw, B)[i:][:n]
+            k, ids = i // n if args.deterministic else self.sent % E, [p.ids for p in prompts]
+            kept, start = self.kept.pop(self.sent, None), self.start
+            if kept and kept["ids"] == ids:  # finished before the save: trained as sampled then
+                groups, scores, start = ray.put(kept["groups"]), ray.put(kept["scores"]), 0
+            else:
+                after = self.last[k] if args.deterministic else None  # Ray waits for it
+                sampling = (G, args.temperature, args.top_p, args.max_response_length, seeds)
+                groups = self.last[k] = self.engines[k].generate.remote(ids, *sampling, after)
+                scores = self.scorers[k].score.remote(groups, prompts, f"step {draw + 1}")
+            self.queue.append(Call(draw, self.sent, prompts, groups, scores, k, start))
+            self.sent += len(rows)
 
     def take(self, step: int, watch=()) -> tuple[list, list, list[str], torch.Tensor, dict]:
         """The step's B groups (batch, outs), texts, (B*G,) rewards and {term: values}, in the order
         sent (`watch`: checked meanwhile). Versions become steps here; is_stale: a lag too long."""
-        taken, self.queue = self.queue[: self.B], self.queue[self.B :]
-        names = [f"AsyncEngine#{t[3]}" for t in taken], [f"RewardWorker#{t[3]}" for t in taken]
-        outs = wait_all([t[1] for t in taken], names[0], "generate", watch=watch)
-        scored = wait_all([t[2] for t in taken], names[1], "score", watch=watch)
+        self.send()  # --deterministic: what fill left for after the evaluation
+        taken = [c for c in self.queue if c.step == step]
+        self.queue = self.queue[len(taken) :]
+        outs = [group for c in taken for group in self.sampled(c, watch)]
+        names = [f"RewardWorker#{c.k}" for c in taken]
+        scored = wait_all([c.scores for c in taken], names, "score", watch=watch)
         texts, rewards = [t for s in scored for t in s[0]], torch.cat([s[1] for s in scored])
         parts = {n: torch.cat([s[2][n] for s in scored]) for n in scored[0][2]}
-        for (group,) in outs:  # one prompt per call
-            for s in group:
-                s["versions"] = [self.start + v for v in s["versions"]]
+        for group in outs:
             if is_stale([s["versions"] for s in group], step, self.args.max_lag):
                 raise RuntimeError(f"a group of step {step + 1} lags more than --max-lag")
-        return [t[0] for t in taken], [o[0] for o in outs], texts, rewards, parts
+        return [p for c in taken for p in c.prompts], outs, texts, rewards, parts
+
+    def sampled(self, c: Call, watch=()) -> list:
+        """A call's groups, once sampled, each token's weight version made a step."""
+        (groups,) = wait_all([c.groups], [f"AsyncEngine#{c.k}"], "generate", watch=watch)
+        step = lambda s: dict(s, versions=[c.start + v for v in s["versions"]])  # noqa: E731
+        return [[step(s) for s in group] for group in groups]
+
+    def settle(self, watch=()):
+        """--deterministic: wait until every call sent is sampled; then the weights may change."""
+        if self.args.deterministic:
+            names = [f"AsyncEngine#{c.k}" for c in self.queue]
+            wait_all([c.groups for c in self.queue], names, "generate", watch=watch)
+
+    def save(self, folder: str, watch=()):
+        """Into a checkpoint: the calls sent, not trained and finished (--deterministic: all) with
+        their tokens, versions, log-probs and scores, which --resume trains as they are; it samples
+        the others again (the same prompts and seeds) with the checkpoint's weights."""
+        kept = {}
+        for c in self.queue:
+            refs = [c.groups, c.scores]
+            if self.args.deterministic or len(ray.wait(refs, num_returns=2, timeout=0)[0]) == 2:
+                (scores,) = wait_all([c.scores], [f"RewardWorker#{c.k}"], "score", watch=watch)
+                groups, ids = self.sampled(c, watch), [p.ids for p in c.prompts]
+                kept[c.position] = {"ids": ids, "groups": groups, "scores": scores}
+        path = os.path.join(folder, "rollouts.pt")
+        torch.save({"max_lag": self.args.max_lag, "kept": kept}, path)
 
     def engine_stats(self) -> dict:
         """Summed over the engines: tokens sampled, seconds idle (no request: waiting for weights),
@@ -556,9 +618,9 @@ class Rollouts:
         return {key: sum(x[key] for x in stats) for key in stats[0]}
 
     def close(self):
-        for _, group, scores, _ in self.queue:  # the requests in flight are aborted in the engines
-            ray.cancel(group)
-            ray.cancel(scores)
+        for c in self.queue:  # the requests in flight are aborted in the engines
+            ray.cancel(c.groups)
+            ray.cancel(c.scores)
         call(self.engines, "shutdown")
 
 
@@ -645,6 +707,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
         tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
         use_gpu=use_gpu, memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
         engine_cls=AsyncEngine, keep_old_kv=args.keep_old_kv,  # ASYNC: weights taken in flight
+        deterministic=args.deterministic,
     )  # fmt: skip
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     sync = (args.engine_tp, args.lora_merge_sync)

@@ -12,54 +12,42 @@ from common.engines import adapter_folder, engine_args, lora_request
 @ray.remote
 class AsyncEngine:
     """Weight updates pause the scheduler between steps, keeping running requests (`mode="keep"`:
-    decoding layers mid-reload would fail), re-prefilled for the new policy unless `keep_old_kv`."""
+    decoding layers mid-reload would fail), re-prefilled for the new policy unless `keep_old_kv`.
+    `deterministic`: a call's requests are scheduled together, sharing no prefix cache with other
+    calls: what a sequence is batched with, and so its numbers, do not depend on timing."""
 
-    def __init__(
-        self,
-        model_path,
-        seed,
-        backend,
-        tp,
-        max_model_len,
-        memory,
-        sleep_mode,
-        keep_old_kv=False,
-        lora=None,
-        dtype="auto",
-    ):
+    def __init__(self, *engine, keep_old_kv=False, lora=None, dtype="auto", deterministic=False):
+        """engine: Engine's first arguments (model_path, seed, backend, tp, max_model_len, memory,
+        sleep_mode; it never sleeps: it generates while the trainers train)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
+        args = engine_args(*engine[:6], lora, dtype)
         self.adapter = adapter_folder() if lora else None
         # Ray runs an async actor's __init__ in its event loop, which AsyncLLM's output task joins.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
-        self.keep_old_kv, self.version, self.requests = keep_old_kv, 0, 0
+        self.keep_old_kv, self.deterministic, self.version = keep_old_kv, deterministic, 0
+        self.requests = 0  # running now
         self.stats = {"tokens": 0, "idle_s": 0.0, "paused_s": 0.0}  # running totals: get_stats
         self.intervals = []  # (what, start, end), wall clock: "idle" (no request) or "paused"
         self.idle_since, self.paused_at = time.time(), None
 
-    async def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_tokens: int,
-        seeds: list[int] | None = None,
-    ) -> list:
-        """As Engine.generate; each sample also has `versions`: the weight version of each token."""
+    async def generate(self, prompts, n, temperature, top_p, max_tokens, seeds=None, after=None):
+        """As Engine.generate; each sample also has `versions`: the weight version of each token.
+        `after`: an earlier call's result, which Ray waits for before this call starts."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         base = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
         base["detokenize"] = False  # the driver decodes the tokens it reads
         lora = lora_request(self.adapter)
+        # deterministic: no prefix cache shared with other calls (a resumed engine has none)
+        salt = uuid.uuid4().hex if self.deterministic else ""
 
         async def one(i: int, j: int) -> dict:  # sample j of prompt i
             seed = None if seeds is None else seeds[i] + j
             params = SamplingParams(n=1, seed=seed, output_kind=RequestOutputKind.DELTA, **base)
-            request, token_ids, logprobs = self._request(prompts[i]), [], []
+            request, token_ids, logprobs = self._request(prompts[i], salt), [], []
             async for out in self.llm.generate(
                 request, params, uuid.uuid4().hex, lora_request=lora
             ):
@@ -78,7 +66,15 @@ class AsyncEngine:
             self._interval("idle", self.idle_since)
         self.requests += len(prompts) * n
         try:
-            calls = [one(i, j) for i in range(len(prompts)) for j in range(n)]
+            if self.deterministic:  # the scheduler holds the requests until all have arrived
+                await self.llm.get_supported_tasks()  # cached: adding a request then never waits
+                await self.llm.pause_generation(mode="keep", clear_cache=False)
+            calls = [
+                asyncio.ensure_future(one(i, j)) for i in range(len(prompts)) for j in range(n)
+            ]
+            if self.deterministic:
+                await asyncio.sleep(0)  # each call runs until it waits for its first tokens
+                await self.llm.resume_generation()  # sent after the requests, on their channel
             samples = await asyncio.gather(*calls)
         finally:
             self.requests -= len(prompts) * n
@@ -86,9 +82,9 @@ class AsyncEngine:
                 self.idle_since = time.time()
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _request(self, token_ids: list[int]):
+    def _request(self, token_ids: list[int], salt: str = ""):
         """A prompt through AsyncLLM's renderer, salted by weight version: no stale prefix cache."""
-        prompt = {"prompt_token_ids": token_ids, "cache_salt": f"v{self.version}"}
+        prompt = {"prompt_token_ids": token_ids, "cache_salt": salt or f"v{self.version}"}
         return self.llm.renderer.render_cmpl([prompt])[0]  # one prompt in, one request out
 
     # The weight-transfer protocol; the update happens between start (pause) and finish (resume).

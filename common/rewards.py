@@ -97,9 +97,9 @@ class RewardWorker:
         self.terms, self.timeout = terms, timeout
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
-    def score(self, outs: list, prompt, where: str) -> tuple:
-        """score_responses of one Prompt's group: outs, its engine.generate result."""
+    def score(self, outs: list, prompts: list, where: str) -> tuple:
+        """score_responses of the Prompts' groups: outs, their engine.generate result."""
         try:
-            return score_responses(self.terms, [prompt], outs, self.tokenizer, where, self.timeout)
+            return score_responses(self.terms, prompts, outs, self.tokenizer, where, self.timeout)
         except RunError as e:
             raise RuntimeError(str(e.code).removeprefix("error: ")) from None

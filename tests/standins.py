@@ -83,7 +83,7 @@ class StandInEngine:
     async def start_weight_update(self):
         pass
 
-    async def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+    async def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, after=None):
         versions = []
         try:
             while self.held or len(versions) < (40 if seeds[0] % 4 == 0 else 3):
