@@ -424,7 +424,7 @@ def main(args: Args):
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
-                call(trainers, "save", folder, done, True)
+                call(trainers, "save", folder, done)
 
     # DAPO (dynamic-sampling): round k of a step; the length penalty joins the reward, not the score
     def rollout(step: int, k: int) -> tuple:

@@ -314,7 +314,7 @@ def main(args: Args):
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
-                call(trainers, "save", folder, done, True)
+                call(trainers, "save", folder, done)
 
     # ---- teardown: the final model in HF format, the accuracy lines (checkpoint.finish) ----
     accuracy = {"eval/accuracy": "held-out preference accuracy"}

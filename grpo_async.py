@@ -435,7 +435,7 @@ def main(args: Args):
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
-                call(trainers, "save", folder, done, True, watch=engines)  # ASYNC: busy
+                call(trainers, "save", folder, done, watch=engines)  # ASYNC: busy
                 rollouts.save(folder, engines)  # ASYNC: the groups sent, not trained
 
     # ---- training loop: take finished groups -> reward -> advantages -> train -> sync in flight

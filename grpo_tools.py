@@ -518,7 +518,7 @@ def main(args: Args):
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
-                call(trainers, "save", folder, done, True)
+                call(trainers, "save", folder, done)
 
     # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     first = evaluate(0) if resume_step == 0 else {}

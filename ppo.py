@@ -539,9 +539,9 @@ def main(args: Args):
     def save(step: int, name: str | None = None, with_optimizer: bool = True):
         """A checkpoint, whole or absent: the policy, and to resume, the critic and adaptive β."""
         with checkpoint.staged(run.checkpoint_dir(name or step), step) as folder:
-            call(trainers, "save", folder, step, with_optimizer)
+            call(trainers, "save", folder, step, with_optimizer=with_optimizer)
             if with_optimizer:
-                call(critics, "save", os.path.join(folder, "critic"), step, True)
+                call(critics, "save", os.path.join(folder, "critic"), step)
                 checkpoint.write_json(os.path.join(folder, "ppo_state.json"), {"kl_coef": kl_coef})
 
     # ---- training loop: generate -> score -> π_θold, π_ref, V_old -> rewards, GAE -> train ----

@@ -276,7 +276,7 @@ def main(args: Args):
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
-                call(trainers, "save", folder, done, True)
+                call(trainers, "save", folder, done)
 
     # ---- teardown: the final model (AutoModelForSequenceClassification, one label), the line ----
     accuracy = {"eval/accuracy": "held-out pair accuracy"}

@@ -246,7 +246,7 @@ def keep_best(args, run, metrics: dict, step: int, trainers: list) -> None:
     if worse or value != value:  # a tie keeps the earlier one; NaN is never the best
         return
     with staged(path, step, metric=args.best_metric, value=value) as folder:
-        call(trainers, "save", folder, step, False)
+        call(trainers, "save", folder, step, with_optimizer=False)
     run.print(f"best: {args.best_metric} {value:.4g} at step {step}, in checkpoints/best")
 
 
@@ -261,7 +261,7 @@ def finish(args, run, trainers, first: dict, last: dict, lines: dict[str, str], 
             save(args.num_steps, "final", resumable)
         else:
             with staged(run.checkpoint_dir("final"), args.num_steps) as folder:
-                call(trainers, "save", folder, args.num_steps, resumable)
+                call(trainers, "save", folder, args.num_steps, with_optimizer=resumable)
         run.print(f"final model: {run.checkpoint_dir('final')}")
     for key, what in lines.items():
         if first and key in first and key in last:

@@ -251,13 +251,13 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
     return device
 
 
-def call(actors: list, method: str, *args, per_rank=None, timeout=RPC_TIMEOUT_S, watch=()) -> list:
+def call(actors: list, method: str, *args, per_rank=None, timeout=RPC_TIMEOUT_S, watch=(), **kw):
     """Call `method` (a name, or a script's function run on trainer shells) on every actor,
-    `per_rank[i]` first if given, and wait. One dead or silent for `timeout` s, or one of `watch`
+    `per_rank[i]` first if given, and wait for the list of results. One dead or silent for `timeout` s, or one of `watch`
     (busy: engines) dying, is a one-line RunError, not a hang (shutdown cancels the rest)."""
     name, fn = (method, ()) if isinstance(method, str) else ("run", (method,))
     refs = [
-        getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args)
+        getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args, **kw)
         for i, a in enumerate(actors)
     ]
     return wait_all(refs, actor_names(actors), getattr(method, "__name__", method), timeout, watch)

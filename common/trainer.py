@@ -205,7 +205,7 @@ class Trainer:
     def probe_engines(self) -> float | None:  # rank 0: the gap; a stale engine stops the run
         return self.weight_sync.check()
 
-    def save(self, path: str, step: int, with_optimizer: bool):  # a collective: rank 0 writes
+    def save(self, path: str, step: int, with_optimizer=True):  # a collective: rank 0 writes
         scale = self.scaler.state_dict()
         args = self.model, self.optimizer, self.tokenizer, path, step, with_optimizer
         checkpoint.save(*args, loss_scale=scale)

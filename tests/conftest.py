@@ -298,7 +298,7 @@ def train_with_ranks(
         out = call(trainers, module.train_step, count(batch), step, per_rank=shares)
         reports = out[:: args.sp_size] if per_group else out
         losses.append(sum(o["loss"] for o in reports) / count(batch))
-    call(trainers, "save", str(out_dir), args.num_steps, False)
+    call(trainers, "save", str(out_dir), args.num_steps, with_optimizer=False)
     for t in trainers:
         ray.kill(t)
     ray.util.remove_placement_group(pg)

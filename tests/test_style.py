@@ -87,13 +87,14 @@ def test_common_stays_small():
     of the cap, raw lines then and modules carved out of it, is in this file's git log. Counted
     formatted with no carve-outs (2026-12-03) it is 4,744 (4,708 before the shell's inputs and
     main's end moved in, 250 lines out of the scripts), over STYLE.md's 4,000: the fifth house
-    pass's open item; it may not grow."""
+    pass's open item; it may not grow. 4,737 since grpo_async.py's deterministic mode (AsyncEngine's
+    signatures on one line each paid for it)."""
     files = sorted(f for f in os.listdir(os.path.join(REPO, "common")) if f.endswith(".py"))
     sizes = {f: formatted_lines(os.path.join("common", f)) for f in files}
     for f, n in sizes.items():  # one room each (memory.py, the plan, is the largest)
         assert n <= 330, f"common/{f} has {n} lines"
     total = sum(sizes.values())
-    assert total <= 4744, f"common/ has {total} lines (formatted)"
+    assert total <= 4737, f"common/ has {total} lines (formatted)"
 
 
 def test_fmt_skip_is_rare():
