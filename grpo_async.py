@@ -701,11 +701,9 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     frozen = frozen_models(args)  # the frozen models compute_loss reads (frozen_models)
     trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *shell, frozen=frozen)
     backend = weight_sync.choose_backend(use_gpu, colocate=False)  # ASYNC
+    served = model_path if args.lora_rank else policy  # LoRA: the base, the adapters apart
     engines = spawn_engines(
-        pg, layout.engines, model_path=model_path if args.lora_rank else policy, seed=args.seed,
-        backend=backend, lora=lora.engine_lora(args), loading=trainers,  # they load meanwhile
-        tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu, memory=memory.engine_memory(args, use_gpu), dtype=args.dtype,
+        pg, layout.engines, args, served, backend, use_gpu, loading=trainers,
         engine_cls=AsyncEngine, keep_old_kv=args.keep_old_kv,  # ASYNC: weights taken in flight
         deterministic=args.deterministic,
     )  # fmt: skip

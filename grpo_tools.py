@@ -698,13 +698,8 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     frozen = frozen_models(args)  # the frozen models compute_loss reads (frozen_models)
     trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *shell, frozen=frozen)
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
-    engines = spawn_engines(
-        pg, layout.engines, model_path=model_path if args.lora_rank else policy, seed=args.seed,
-        backend=backend, lora=lora.engine_lora(args), loading=trainers,  # they load meanwhile
-        tp=args.engine_tp, max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu, sleep_mode=args.colocate, dtype=args.dtype,
-        memory=memory.engine_memory(args, use_gpu, args.colocate),
-    )  # fmt: skip
+    served = model_path if args.lora_rank else policy  # LoRA: the base, the adapters apart
+    engines = spawn_engines(pg, layout.engines, args, served, backend, use_gpu, loading=trainers)
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     sync = (args.engine_tp, args.lora_merge_sync)
     call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)

@@ -830,21 +830,9 @@ def start_actors(args: Args, use_gpu: bool, paths: dict, offload: bool) -> tuple
             paths["reward_model"], offload, args.dtype
         )
     backend = weight_sync.choose_backend(use_gpu, args.colocate)
-    engines = spawn_engines(
-        pg,
-        layout.engines,
-        model_path=paths["reference" if args.lora_rank else "policy"],
-        seed=args.seed,
-        backend=backend,
-        lora=lora.engine_lora(args),
-        loading=[*trainers, *critics, *([reward_model] if rm else [])],  # they load meanwhile
-        tp=args.engine_tp,
-        max_model_len=args.max_prompt_length + args.max_response_length,
-        use_gpu=use_gpu,
-        sleep_mode=args.colocate,
-        dtype=args.dtype,
-        memory=memory.engine_memory(args, use_gpu, args.colocate),
-    )
+    served = paths["reference" if args.lora_rank else "policy"]  # LoRA: the base, adapters apart
+    loading = [*trainers, *critics, *([reward_model] if rm else [])]  # they load meanwhile
+    engines = spawn_engines(pg, layout.engines, args, served, backend, use_gpu, loading=loading)
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     sync = (args.engine_tp, args.lora_merge_sync)
     call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)

@@ -11,7 +11,7 @@ import tempfile
 
 import ray
 
-from common.placement import Slot, wait_all, wait_started
+from common.placement import wait_all, wait_started
 
 # vLLM's warnings reach the terminal, less the KnownWarnings; its info lines do not. To see them:
 #     VLLM_LOGGING_CONFIG_PATH= VLLM_LOGGING_LEVEL=INFO python grpo.py ...
@@ -272,34 +272,25 @@ def generate(
     return [placed[i] for i in range(len(prompts))]
 
 
-def spawn_engines(
-    pg,
-    slots: list[Slot],
-    *,
-    model_path: str,
-    seed: int,
-    backend: str,
-    tp: int,
-    max_model_len: int,
-    memory: float,
-    use_gpu: bool,
-    sleep_mode: bool = False,
-    lora=None,
-    engine_cls=Engine,
-    loading=(),
-    **kwargs,
-) -> list:
-    """One engine per slot, up on return with the actors `loading` (the trainers load meanwhile, or
-    first if they share a GPU: vLLM sizes its memory by what is free): a failed start is named."""
+def spawn_engines(pg, slots, args, model, backend, use_gpu, engine_cls=Engine, loading=(), **kw):
+    """One engine per Slot as the flags say (--seed, --engine-tp, the longest prompt + response,
+    --engine-memory, --colocate's sleep mode, LoRA's adapters, --dtype), up on return with the
+    actors `loading` (the trainers load meanwhile, or first if they share a GPU: vLLM sizes its
+    memory by what is free): a failed start is named. kw: the engine class's own arguments."""
+    from common import lora, memory  # lazy, as in engine_args
+
+    sleep_mode = getattr(args, "colocate", False)  # grpo_async.py's engines never sleep
     if sleep_mode:
         wait_started(list(loading))
     # The driver's VLLM_* settings go to all engines, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (old runner)
     own = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
-    args = (backend, tp, max_model_len, memory, sleep_mode)
-    kw = kwargs | ({"lora": lora} if lora else {})
+    longest, kv = args.max_prompt_length + args.max_response_length, memory.engine_memory
+    config = (backend, args.engine_tp, longest, kv(args, use_gpu, sleep_mode), sleep_mode)
+    adapters = lora.engine_lora(args)
+    kw = kw | {"dtype": args.dtype} | ({"lora": adapters} if adapters else {})
     engines = [
-        engine_cls.options(**s.options(pg, env)).remote(model_path, seed + i, *args, **kw)
+        engine_cls.options(**s.options(pg, env)).remote(model, args.seed + i, *config, **kw)
         for i, s in enumerate(slots)
     ]
     wait_started([*loading, *engines])

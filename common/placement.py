@@ -253,8 +253,8 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int):
 
 def call(actors: list, method: str, *args, per_rank=None, timeout=RPC_TIMEOUT_S, watch=(), **kw):
     """Call `method` (a name, or a script's function run on trainer shells) on every actor,
-    `per_rank[i]` first if given, and wait for the list of results. One dead or silent for `timeout` s, or one of `watch`
-    (busy: engines) dying, is a one-line RunError, not a hang (shutdown cancels the rest)."""
+    `per_rank[i]` first if given: the results. One dead or silent for `timeout` s, or one of
+    `watch` (busy: engines) dying, is a one-line RunError, not a hang (shutdown ends the rest)."""
     name, fn = (method, ()) if isinstance(method, str) else ("run", (method,))
     refs = [
         getattr(a, name).remote(*fn, *([per_rank[i]] if per_rank is not None else []), *args, **kw)

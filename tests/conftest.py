@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models built locally (no hub), the built-in tokenizer, subprocess
 helpers."""
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -90,6 +91,14 @@ def tokenizer(builtin_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(builtin_dir)
+
+
+def engine_flags(longest: int = 256, memory: float = 0.25, **flags):
+    """The flags spawn_engines reads, as a script's Args holds them: `longest` tokens of prompt +
+    response, `memory` (CPU: the KV cache's GiB; GPU: a fraction), no LoRA, not colocated."""
+    defaults = dict(seed=0, engine_tp=1, max_prompt_length=longest, max_response_length=0, dtype="auto",
+                    engine_memory=memory, lora_rank=None, lora_merge_sync=False, colocate=False)  # fmt: skip
+    return argparse.Namespace(**{**defaults, **flags})
 
 
 def make_tiny_model(path, tokenizer, tie: bool = True, seed: int = 0):

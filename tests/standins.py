@@ -13,7 +13,7 @@ import ray
 class StandIn:
     """Takes any constructor arguments; reports where Ray put it."""
 
-    def __init__(self, *args, crash: bool = False, delay: float = 0.0):
+    def __init__(self, *args, crash: bool = False, delay: float = 0.0, **kwargs):
         self.began_at = time.time()
         time.sleep(delay)
         if crash:

@@ -12,6 +12,7 @@ import torch
 from conftest import (
     TOLERANCE,
     assert_resume_is_exact,
+    engine_flags,
     grpo_args,
     logprob_gap,
     only_run_dir,
@@ -169,16 +170,7 @@ def test_engine_matches_trainer_after_train_step_and_sync(
     positional, kwargs = shell(grpo, args, path)
     trainers = spawn_trainers(grpo.Trainer, pg, layout.trainers, *positional, **kwargs)
     engines = spawn_engines(
-        pg,
-        layout.engines,
-        model_path=path,
-        seed=0,
-        backend="gloo",
-        tp=1,
-        max_model_len=64,
-        memory=0.25,
-        use_gpu=False,
-        loading=trainers,
+        pg, layout.engines, engine_flags(64), path, "gloo", False, loading=trainers
     )
     addr, port = rendezvous_address(pg, 0)
     call(trainers, "init_weight_sync", engines, "gloo", addr, port, 1, False)

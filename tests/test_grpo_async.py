@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import ray
 import torch
-from conftest import only_run_dir, read_jsonl, run_script, start_ray_cpu, tagged_diff
+from conftest import engine_flags, only_run_dir, read_jsonl, run_script, start_ray_cpu, tagged_diff
 from standins import Busy, StandInEngine
 from test_faults import Run, processes, wait_for_phase
 from test_weight_sync import SyncTrainer
@@ -52,10 +52,9 @@ def test_in_flight_update_inside_one_sequence(tiny_model, tokenizer):
         layout = Layout(False, trainers=1, engines=2)
         pg = make_placement_group(layout.bundles, use_gpu=False)
         trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
-        common = dict(model_path=tiny_model, seed=0, backend="gloo", tp=1, max_model_len=320, memory=0.25,
-                      use_gpu=False, engine_cls=AsyncEngine)  # fmt: skip
+        common = (engine_flags(320), tiny_model, "gloo", False, AsyncEngine)  # CPU, in flight
         engines = [  # the trainer loads meanwhile
-            spawn_engines(pg, layout.engines[i : i + 1], keep_old_kv=keep, loading=t, **common)[0]
+            spawn_engines(pg, layout.engines[i : i + 1], *common, t, keep_old_kv=keep)[0]
             for i, (keep, t) in enumerate([(False, trainers), (True, ())])
         ]
         addr, port = rendezvous_address(pg, 0)

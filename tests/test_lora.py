@@ -11,6 +11,7 @@ import ray
 import torch
 from conftest import (
     TOLERANCE,
+    engine_flags,
     grpo_args,
     logprob_gap,
     only_run_dir,
@@ -179,11 +180,8 @@ def test_sync_makes_the_engine_serve_the_trainers_adapters(ray_cpu, tiny_model, 
     layout = Layout(False, trainers=1, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=False)
     trainers = spawn_trainers(LoraTrainer, pg, layout.trainers, tiny_model, merge)
-    engine_lora = None if merge else {"rank": RANK, "targets": lora.targets(lora_args())}
-    engines = spawn_engines(
-        pg, layout.engines, model_path=tiny_model, seed=0, backend="gloo", tp=1, max_model_len=256, memory=0.25,
-        use_gpu=False, lora=engine_lora, loading=trainers,
-    )  # fmt: skip
+    flags = engine_flags(256, **vars(lora_args(lora_merge_sync=merge)))  # merged: no LoRA in vLLM
+    engines = spawn_engines(pg, layout.engines, flags, tiny_model, "gloo", False, loading=trainers)
     call(trainers, "init_sync", engines, "gloo", *rendezvous_address(pg, 0))  # sends B = 0
     prompts = [
         encode_prompt(tokenizer, [{"role": "user", "content": f"{a} + 3?"}]) for a in range(4)

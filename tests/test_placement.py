@@ -17,7 +17,7 @@ import time
 
 import pytest
 import ray
-from conftest import REPO
+from conftest import REPO, engine_flags
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 from standins import (
@@ -63,10 +63,10 @@ def place(layout: Layout, tp: int = 1, use_gpu: bool = True) -> dict[str, list[t
         ]
     loading = [a for group in actors.values() for a in group]  # all up once the engines are
     if layout.engines:
+        flags = engine_flags(64, memory=0.4, engine_tp=tp)
         actors["engine"] = spawn_engines(
-            pg, layout.engines, model_path="model", seed=0, backend="nccl", tp=tp, max_model_len=64, memory=0.4,
-            use_gpu=use_gpu, engine_cls=RemoteEngine, loading=loading,
-        )  # fmt: skip
+            pg, layout.engines, flags, "model", "nccl", use_gpu, RemoteEngine, loading
+        )
     wait_started(loading)  # sft, rm, dpo: no engines
     slots = {"trainer": layout.trainers, "critic": layout.critics, "engine": layout.engines}
     slots["reward_model"] = [layout.reward_model]
@@ -217,10 +217,9 @@ def test_trainers_load_while_the_engines_do_but_first_on_a_shared_gpu(logical_gp
     trainer that fails meanwhile is named."""
     layout = Layout(True, trainers=1, engines=1, colocate=shared)
     pg = make_placement_group(layout.bundles, use_gpu=True)
-    options = dict(model_path="model", seed=0, backend="nccl", tp=1, max_model_len=64, memory=0.4,
-                   use_gpu=True, sleep_mode=shared, engine_cls=ray.remote(SlowEngine))  # fmt: skip
+    options = (engine_flags(64, memory=0.4, colocate=shared), "model", "nccl", True)
     trainers = spawn_trainers(ray.remote(SlowTrainer), pg, layout.trainers)
-    engines = spawn_engines(pg, layout.engines, **options, loading=trainers)
+    engines = spawn_engines(pg, layout.engines, *options, ray.remote(SlowEngine), trainers)
     returned_at = time.time()
     trainer, engine = ray.get([trainers[0].where.remote(), engines[0].where.remote()])
     assert max(trainer["started_at"], engine["started_at"]) <= returned_at
@@ -232,7 +231,7 @@ def test_trainers_load_while_the_engines_do_but_first_on_a_shared_gpu(logical_gp
         ray.kill(actor)
     trainers = spawn_trainers(ray.remote(CrashingTrainer), pg, layout.trainers)
     with pytest.raises(SystemExit, match=r"^error: CrashingTrainer#0 died during start-up: "):
-        spawn_engines(pg, layout.engines, **options, loading=trainers)
+        spawn_engines(pg, layout.engines, *options, ray.remote(SlowEngine), trainers)
     ray.util.remove_placement_group(pg)
 
 
@@ -241,10 +240,8 @@ def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
     crashed."""
     layout = Layout(True, trainers=1, engines=1)
     pg = make_placement_group(layout.bundles, use_gpu=True)
-    options = dict(
-        model_path="model", seed=0, backend="nccl", tp=1, max_model_len=64, memory=0.4, use_gpu=True
-    )
-    engines = spawn_engines(pg, layout.engines, **options, engine_cls=ray.remote(SlowEngine))
+    options = (engine_flags(64, memory=0.4), "model", "nccl", True)
+    engines = spawn_engines(pg, layout.engines, *options, engine_cls=ray.remote(SlowEngine))
     returned_at = time.time()
     assert ray.get(engines[0].where.remote())["started_at"] <= returned_at
     ray.kill(engines[0])
@@ -252,7 +249,7 @@ def test_engines_are_up_before_spawn_engines_returns(logical_gpus):
         SystemExit,
         match=r"^error: CrashingEngine#0 died during start-up: .*stand-in failed to start",
     ):
-        spawn_engines(pg, layout.engines, **options, engine_cls=ray.remote(CrashingEngine))
+        spawn_engines(pg, layout.engines, *options, engine_cls=ray.remote(CrashingEngine))
     ray.util.remove_placement_group(pg)
 
 

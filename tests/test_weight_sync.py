@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
-from conftest import TOLERANCE
+from conftest import TOLERANCE, engine_flags
 from standins import NoOpTrainer, SleepyEngine
 from transformers import AutoTokenizer
 
@@ -120,9 +120,8 @@ def test_a_push_that_leaves_a_weight_out_is_refused(ray_cpu, tiny_model):
     pg = make_placement_group(layout.bundles, use_gpu=False)
     trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
     engines = spawn_engines(
-        pg, layout.engines, model_path=tiny_model, seed=0, backend="gloo", tp=1, max_model_len=256, memory=0.25,
-        use_gpu=False, loading=trainers,
-    )  # fmt: skip
+        pg, layout.engines, engine_flags(), tiny_model, "gloo", False, loading=trainers
+    )
     call(trainers, "init_sync", engines, "gloo", *rendezvous_address(pg, 0))
     call(trainers, "perturb", 0.05)
     call(trainers, "leave_out", "model.layers.0.self_attn.q_proj.weight")
@@ -181,10 +180,10 @@ def test_gpu_sync_matches_trainer_logprobs(backend, tiny_model, tokenizer):
         layout = Layout(True, trainers=1, engines=1, colocate=colocate)
         pg = make_placement_group(layout.bundles, use_gpu=True)
         trainers = spawn_trainers(SyncTrainer, pg, layout.trainers, tiny_model)
+        flags = engine_flags(256, memory=0.3, colocate=colocate)  # colocated: the trainer first
         engines = spawn_engines(
-            pg, layout.engines, model_path=tiny_model, seed=0, backend=backend, tp=1, max_model_len=256, memory=0.3,
-            use_gpu=True, sleep_mode=colocate, loading=trainers,  # colocated: the trainer first
-        )  # fmt: skip
+            pg, layout.engines, flags, tiny_model, backend, True, loading=trainers
+        )
         addr, port = rendezvous_address(pg, 0)
         call(trainers, "init_sync", engines, backend, addr, port)
         prompts = [
