@@ -221,8 +221,9 @@ def test_lora_keeps_its_frozen_base_in_the_compute_dtype(one_rank_group, tiny_mo
 
 @pytest.mark.parametrize("script", ["grpo", "dapo", "ppo", "grpo_async"])
 def test_engine_memory_reaches_the_engines_on_cpu(monkeypatch, script):
-    """--engine-memory on CPU is GiB of KV cache per engine (default 1): each RL script hands that
-    value, and the run's dtype, to its engines, and engine_args makes it vLLM's KV cache size."""
+    """--engine-memory on CPU is GiB of KV cache per engine (default 1): each RL script's flags reach
+    its engines (spawn_engines reads them), with the run's dtype, and engine_args makes it vLLM's
+    KV cache size."""
     from common import engines
 
     module = importlib.import_module(script)
@@ -233,7 +234,20 @@ def test_engine_memory_reaches_the_engines_on_cpu(monkeypatch, script):
     monkeypatch.setattr(placement, "wait_started", lambda *a: None)
     monkeypatch.setattr(placement, "rendezvous_address", lambda *a: ("127.0.0.1", 0))
     monkeypatch.setattr(module, "call", lambda *a, **k: [])
-    monkeypatch.setattr(module, "spawn_engines", lambda *a, **k: handed.update(k) or [])
+
+    class Recorder:  # an engine class: what its constructor is handed
+        options = staticmethod(lambda **_: Recorder)
+
+        @staticmethod
+        def remote(model, seed, backend, tp, longest, memory, sleep_mode, **kw):
+            return handed.update(memory=memory, **kw)
+
+    slot = types.SimpleNamespace(options=lambda pg, env: {})
+    monkeypatch.setattr(engines, "wait_started", lambda *a: None)
+    spawn = lambda pg, slots, *a, **k: engines.spawn_engines(  # noqa: E731
+        pg, [slot] * len(slots), *a, **{**k, "engine_cls": Recorder}
+    )  # the script's call, its engines recorded
+    monkeypatch.setattr(module, "spawn_engines", spawn)
     paths = {k: "m" for k in ("policy", "reference", "critic", "critic_start", "reward_model")}
     for given, want in ((0.25, 0.25), (None, 1.0)):
         args = module.Args(engine_memory=given, dtype="float32")
