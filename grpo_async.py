@@ -111,7 +111,7 @@ class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s fla
     re-prefill); the tokens sampled then come from a mix of old and new weights"""
     deterministic: bool = False
     """step s's groups sampled by the weights of step s-K alone, each engine's calls one at a time:
-    a run and its --resume repeat exactly (slower: an update waits for the calls being sampled)"""
+    a run and its --resume repeat exactly (an update waits for the calls being sampled, if any)"""
 
     # Optimization
     num_steps: Annotated[int, ">= 1"] = 10  # ASYNC: on 2 shared CPU cores an async step is slower
