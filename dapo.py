@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, lora, memory, models, placement, weight_sync
+from common import checkpoint, data, lora, memory, models, placement, vision, weight_sync
 from common.data import batch_rows, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError
@@ -126,20 +126,22 @@ class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s fla
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
 # common/trainer.py's load_policy).
 def compute_logprobs(
-    model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0, entropy=False
+    model, input_ids, positions, labels, mask, temperature=1.0, top_p=1.0, entropy=False, **images
 ):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
     With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
-    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
+    input_ids, positions, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
     (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32; with
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
+    `images`: a VLM's pixel tensors for the row's image tokens (common/vision.py's `inputs`).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
     with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
-        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        kw = dict(position_ids=positions, logits_to_keep=keep, use_cache=False, **images)
+        out = model(input_ids, **kw)
     logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
     return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
@@ -148,12 +150,16 @@ def reward_fn(response: str, answer: str) -> float:
     """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
 
     Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in
-    the response; other answers (LaTeX, fractions) go through math-verify.
+    the response, one-word answers (the shapes task's "red") with its last word, any case; other
+    answers (LaTeX, fractions) go through math-verify.
     """
     answer = answer.split("####")[-1].strip().replace(",", "")
     if re.fullmatch(r"-?\d+", answer):
         numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response)
         return float(bool(numbers) and float(numbers[-1].replace(",", "")) == int(answer))
+    if re.fullmatch(r"[A-Za-z]+", answer):
+        words = re.findall(r"[A-Za-z]+", response)
+        return float(bool(words) and words[-1].lower() == answer.lower())
     from math_verify import parse, verify
 
     return float(verify(parse(answer), parse(response)))
@@ -340,10 +346,11 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
             # every per-token value the loop gave make_sequence, at the response tokens
             mb["values"] = values = response_values(mb)
             inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
+            images = vision.inputs(mb)  # a VLM's pixel values, else none
             for name, frozen in trainer.frozen.items():  # ref_logprobs: π_ref's
-                values[name] = compute_logprobs(frozen, *inputs, *sampled)
+                values[name] = compute_logprobs(frozen, *inputs, *sampled, **images)
             if not one_update:  # π_θold: the policy before this step's first update
-                values["old_logprobs"] = compute_logprobs(model, *inputs, *sampled)
+                values["old_logprobs"] = compute_logprobs(model, *inputs, *sampled, **images)
     model.train()
     for epoch in range(args.num_epochs):
         for mini in minibatches:
@@ -353,7 +360,8 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
                 inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
                 values = dict(mb["values"])
                 entropy = "entropy" in policy_values(args)  # H_t, from the same forward
-                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy)
+                images = vision.inputs(mb)
+                logprobs = compute_logprobs(model, *inputs, *sampled, entropy=entropy, **images)
                 if entropy:  # a pair: (N,) log π_θ and (N,) H_t
                     logprobs, values["entropy"] = logprobs
                 if one_update:  # one update per rollout: this forward *is* π_θold, the ratio 1
@@ -399,7 +407,7 @@ def main(args: Args):
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        ids = [p.ids for p in prompts["eval"]]
+        ids = [p.request or p.ids for p in prompts["eval"]]  # a VLM's: with its pictures
         outs = generate(engines, ids, n=1, temperature=0.0, **sampling)  # greedy
         where = f"eval at step {step}"
         _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, timeout)
@@ -430,7 +438,7 @@ def main(args: Args):
     def rollout(step: int, k: int) -> tuple:
         draw = step * args.max_sampling_rounds + k  # fresh prompts and seeds, pure in the step
         batch = [train[i] for i in batch_rows(draw, len(train), args.prompts_per_step, args.seed)]
-        ids, where = [p.ids for p in batch], f"step {step + 1}"
+        ids, where = [p.request or p.ids for p in batch], f"step {step + 1}"
         outs = generate(engines, ids, n=G, temperature=args.temperature, draw=draw, **sampling)
         texts, scores, parts = score_responses(terms, batch, outs, tokenizer, where, timeout)
         penalties = [overlong_penalty(len(s["token_ids"]), args) for group in outs for s in group]
@@ -475,6 +483,7 @@ def main(args: Args):
             s = responses[i]
             values = {"advantages": [advantages[i].item()] * len(s["token_ids"])}
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
+            values |= batch[i // G].pixels or {}  # a VLM's: the prompt's pictures
             sequences.append((batch[i // G].ids, s["token_ids"], values))
         shares = plan_minibatches(sequences, step, args)  # with loss_weights: the aggregation
         results = call(trainers, train_step, step, per_rank=shares)
@@ -575,13 +584,15 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    vlm = vision.check_model(args, model_path)  # a VLM: the prompts' pictures, read below
     lora.check_model(args, model_path, args.model)
     entropy = "entropy" in policy_values(args)  # the LM head's chunks: one more
     memory.check_run(args, use_gpu, model_path, bool(frozen_models(args)), entropy=entropy)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    processor = vision.processor(model_path, vlm)  # None for a language model
+    limits = (args.max_prompt_length, args.drop_long)
     prompts = {
-        split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
-        for split, rows in datasets.items()
+        k: encode_prompts(*rows, tokenizer, *limits, processor) for k, rows in datasets.items()
     }
     train, source = len(prompts["train"]), datasets["train"][1]
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")

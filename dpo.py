@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, greedy, lora, memory, models, placement
+from common import checkpoint, data, greedy, lora, memory, models, placement, vision
 from common.data import batch_rows
 from common.errors import InputError
 from common.flags import Experiment, LoRA, Optimization, Resources, check_flags, parse_args
@@ -96,20 +96,22 @@ class Args(Optimization, LoRA, Resources, Experiment):  # common/'s flags come f
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
 # common/trainer.py's load_policy).
 def compute_logprobs(
-    model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0, entropy=False
+    model, input_ids, positions, labels, mask, temperature=1.0, top_p=1.0, entropy=False, **images
 ):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
     With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
-    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
+    input_ids, positions, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
     (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32; with
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
+    `images`: a VLM's pixel tensors for the row's image tokens (common/vision.py's `inputs`).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
     with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
-        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        kw = dict(position_ids=positions, logits_to_keep=keep, use_cache=False, **images)
+        out = model(input_ids, **kw)
     logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
     return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
@@ -118,12 +120,16 @@ def reward_fn(response: str, answer: str) -> float:
     """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
 
     Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in
-    the response; other answers (LaTeX, fractions) go through math-verify.
+    the response, one-word answers (the shapes task's "red") with its last word, any case; other
+    answers (LaTeX, fractions) go through math-verify.
     """
     answer = answer.split("####")[-1].strip().replace(",", "")
     if re.fullmatch(r"-?\d+", answer):
         numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response)
         return float(bool(numbers) and float(numbers[-1].replace(",", "")) == int(answer))
+    if re.fullmatch(r"[A-Za-z]+", answer):
+        words = re.findall(r"[A-Za-z]+", response)
+        return float(bool(words) and words[-1].lower() == answer.lower())
     from math_verify import parse, verify
 
     return float(verify(parse(answer), parse(response)))
@@ -368,6 +374,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     accuracy_rows = read_prompts(args.accuracy_dataset, args.eval_split)[0]
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    vision.check_model(args, model_path, "dpo.py")  # a language model: no pictures here
     lora.check_model(args, model_path, args.model)
     memory.check_run(args, use_gpu, model_path, True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

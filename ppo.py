@@ -35,7 +35,7 @@ from transformers import AutoModelForSequenceClassification as AutoScoreModel  #
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the updates and the loop use.
-from common import checkpoint, data, lora, memory, models, placement, weight_sync
+from common import checkpoint, data, lora, memory, models, placement, vision, weight_sync
 from common.data import Prompt, batch_rows, encode_example, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError
@@ -140,20 +140,22 @@ class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s fla
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
 # common/trainer.py's load_policy).
 def compute_logprobs(
-    model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0, entropy=False
+    model, input_ids, positions, labels, mask, temperature=1.0, top_p=1.0, entropy=False, **images
 ):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
     With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
-    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
+    input_ids, positions, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
     (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32; with
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
+    `images`: a VLM's pixel tensors for the row's image tokens (common/vision.py's `inputs`).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
     with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
-        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        kw = dict(position_ids=positions, logits_to_keep=keep, use_cache=False, **images)
+        out = model(input_ids, **kw)
     logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
     return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
@@ -162,12 +164,16 @@ def reward_fn(response: str, answer: str) -> float:
     """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
 
     Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in
-    the response; other answers (LaTeX, fractions) go through math-verify.
+    the response, one-word answers (the shapes task's "red") with its last word, any case; other
+    answers (LaTeX, fractions) go through math-verify.
     """
     answer = answer.split("####")[-1].strip().replace(",", "")
     if re.fullmatch(r"-?\d+", answer):
         numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response)
         return float(bool(numbers) and float(numbers[-1].replace(",", "")) == int(answer))
+    if re.fullmatch(r"[A-Za-z]+", answer):
+        words = re.findall(r"[A-Za-z]+", response)
+        return float(bool(words) and words[-1].lower() == answer.lower())
     from math_verify import parse, verify
 
     return float(verify(parse(answer), parse(response)))
@@ -781,6 +787,7 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
         composed_reward(terms, pairs, "test calls before the run", args.reward_timeout)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    vision.check_model(args, model_path, "ppo.py")  # a language model: no pictures here
     critic_path = models.resolve_model(args.critic_model) if args.critic_model else model_path
     models.check_weights(critic_path, "--critic-model")
     lora.check_model(args, model_path, args.model)
@@ -790,10 +797,8 @@ def prepare_inputs(args: Args, use_gpu: bool, resume_ckpt: str | None) -> tuple:
     folders = model_path, True, critic_path, reward_model_path  # True: π_ref too
     offload = memory.check_run(args, use_gpu, *folders, entropy=entropy)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = {
-        split: encode_prompts(*rows, tokenizer, args.max_prompt_length, args.drop_long)
-        for split, rows in datasets.items()
-    }
+    limits = (args.max_prompt_length, args.drop_long)
+    prompts = {k: encode_prompts(*rows, tokenizer, *limits) for k, rows in datasets.items()}
     train, source = len(prompts["train"]), datasets["train"][1]
     data.check_batch(args.prompts_per_step, train, "--prompts-per-step", source, "prompts")
     paths = {

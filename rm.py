@@ -33,7 +33,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, lora, memory, models, placement
+from common import checkpoint, data, lora, memory, models, placement, vision
 from common.data import batch_rows
 from common.errors import InputError
 from common.flags import Experiment, LoRA, Optimization, Resources, check_flags, parse_args
@@ -331,6 +331,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple[str, dict[str, list[dict]
                 raise InputError(f"{source}: {what}")
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    vision.check_model(args, model_path, "rm.py")  # a language model: no pictures here
     lora.check_model(args, model_path, args.model)
     memory.check_run(args, use_gpu, model_path, head="score")
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, greedy, lora, memory, models, placement
+from common import checkpoint, data, greedy, lora, memory, models, placement, vision
 from common.data import batch_rows
 from common.errors import InputError
 from common.flags import Experiment, LoRA, Optimization, Resources, check_flags, parse_args
@@ -45,7 +45,7 @@ class Args(Optimization, LoRA, Resources, Experiment):  # common/'s flags come f
     """HF hub id, local HF folder, or the built-in offline model"""
     dataset: str = "data/arithmetic/sft_train.jsonl"
     """training data: local .jsonl/.json/.parquet file or folder, or hub id[:config]; `messages` or
-    `prompt`+`completion`"""
+    `prompt`+`completion` (a VLM's: and `images`, docs/vision.md)"""
     dataset_split: str = "train"
     """split to read when --dataset is a hub id"""
     eval_dataset: str = "data/arithmetic/sft_test.jsonl"
@@ -78,20 +78,22 @@ class Args(Optimization, LoRA, Resources, Experiment):  # common/'s flags come f
 # ALGO LOGIC: the log-probabilities and the reward (the same in every script; the model is
 # common/trainer.py's load_policy).
 def compute_logprobs(
-    model, input_ids, position_ids, labels, mask, temperature=1.0, top_p=1.0, entropy=False
+    model, input_ids, positions, labels, mask, temperature=1.0, top_p=1.0, entropy=False, **images
 ):
     """log π(label_t | tokens ≤ t) at temperature T, for every position t where mask is 1:
         log π(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / T
     With top_p < 1 the logsumexp runs over the nucleus only, the distribution vLLM samples from.
 
-    input_ids, position_ids, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
+    input_ids, positions, labels, mask: (1, T) packed rows; labels[t] is the token after t. Only
     the masked positions go through the LM head, a chunk of them at a time (common/lm_head.py): the
     (N, vocab) logits never exist at once, in the forward or the backward. Returns (N,) fp32; with
     `entropy`, also each position's H_t = -Σ_v π(v) log π(v), from the same chunks: ((N,), (N,)).
+    `images`: a VLM's pixel tensors for the row's image tokens (common/vision.py's `inputs`).
     """
     keep = mask[0].nonzero().squeeze(-1)  # (N,)
     with token_logprobs(model, labels[0, keep], temperature, top_p, entropy):  # the head swapped
-        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        kw = dict(position_ids=positions, logits_to_keep=keep, use_cache=False, **images)
+        out = model(input_ids, **kw)
     logprobs = out.logits  # log π(y_t) (, H_t): what the swapped head gives where logits would be
     return logprobs.unbind(-1) if entropy else logprobs  # (N,) (, (N,))
 
@@ -100,12 +102,16 @@ def reward_fn(response: str, answer: str) -> float:
     """Rule verifier: 1.0 if the response's final answer equals `answer`, else 0.0.
 
     Integer answers (the arithmetic task, GSM8K's "#### 72") are compared with the last number in
-    the response; other answers (LaTeX, fractions) go through math-verify.
+    the response, one-word answers (the shapes task's "red") with its last word, any case; other
+    answers (LaTeX, fractions) go through math-verify.
     """
     answer = answer.split("####")[-1].strip().replace(",", "")
     if re.fullmatch(r"-?\d+", answer):
         numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response)
         return float(bool(numbers) and float(numbers[-1].replace(",", "")) == int(answer))
+    if re.fullmatch(r"[A-Za-z]+", answer):
+        words = re.findall(r"[A-Za-z]+", response)
+        return float(bool(words) and words[-1].lower() == answer.lower())
     from math_verify import parse, verify
 
     return float(verify(parse(answer), parse(response)))
@@ -150,7 +156,7 @@ def train_step(trainer, micro_batches: list[dict], num_tokens: int, step: int) -
         # reduce-scatter gradients after the last micro-batch only
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-        loss = compute_loss(compute_logprobs(model, *inputs))
+        loss = compute_loss(compute_logprobs(model, *inputs, **vision.inputs(mb)))
         loss = loss * mb["real"]  # real: 0 for a filler micro-batch
         # the token mean of the whole global batch; FSDP averages over ranks: undo it
         trainer.scaler.backward(loss * trainer.world_size / num_tokens)
@@ -166,8 +172,8 @@ def eval_loss(trainer, micro_batches: list[dict]) -> dict:
     loss_sum = tokens = 0.0
     for mb in [trainer.local_part(mb) for mb in micro_batches]:
         inputs = (mb["input_ids"], mb["position_ids"], mb["labels"], mb["loss_mask"])
-        real = mb["real"].item()
-        loss_sum += compute_loss(compute_logprobs(trainer.model, *inputs)).item() * real
+        real, images = mb["real"].item(), vision.inputs(mb)
+        loss_sum += compute_loss(compute_logprobs(trainer.model, *inputs, **images)).item() * real
         tokens += mb["loss_mask"].sum().item() * real
     return {"loss": loss_sum, "tokens": tokens}
 
@@ -268,42 +274,51 @@ def check_machine(args: Args, script: str) -> tuple[bool, tuple | None]:
 
 
 def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
-    """Read and check the data and the model; plan the GPUs' memory; tokenize. Returns (model
-    folder, tokenizer, {split: [sequence]}, (rows, prompts) for greedy accuracy or None)."""
+    """Read and check the data (images too) and the model; plan the GPUs' memory; tokenize. Returns
+    (model folder, tokenizer, {split: [sequence]}, (rows, prompts) for greedy accuracy or None)."""
     datasets = {"train": data.load_rows(args.dataset, args.dataset_split)}
     if args.eval_dataset:
         datasets["eval"] = data.load_rows(args.eval_dataset, args.eval_split)
     for rows, source in datasets.values():
         columns = ["messages"] if "messages" in rows[0] else ["prompt", "completion"]
         data.validate_rows(rows, columns, source)
-    accuracy_rows = read_prompts(args.accuracy_dataset, args.eval_split)[0]
+    accuracy_rows, accuracy_source = read_prompts(args.accuracy_dataset, args.eval_split)
     model_path = models.resolve_model(args.model)
     models.check_weights(model_path, "model")
+    vlm = vision.check_model(args, model_path)  # a VLM: images read and checked here
+    conversation = ("messages", "prompt", "completion")
+    images = {k: vision.row_images(*rows, vlm, *conversation) for k, rows in datasets.items()}
+    accuracy_images = vision.row_images(accuracy_rows, accuracy_source, vlm, "prompt")
     lora.check_model(args, model_path, args.model)
     memory.check_run(args, use_gpu, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    sequences = {split: encode_rows(*rows, tokenizer, args) for split, rows in datasets.items()}
+    processor = vision.processor(model_path, vlm)
+    encode = (tokenizer, processor, args)
+    sequences = {k: encode_rows(*rows, images[k], *encode) for k, rows in datasets.items()}
     train, source = len(sequences["train"]), datasets["train"][1]
     data.check_batch(args.batch_size, train, "--batch-size", source, "rows")
     prompts = [data.encode_prompt(tokenizer, r["prompt"]) for r in accuracy_rows]
+    if vlm:  # (ids, pixels): each image's tokens in, as the model sees them
+        prompts = [vision.prompt(processor, p, i) for p, i in zip(prompts, accuracy_images)]
     return model_path, tokenizer, sequences, (accuracy_rows, prompts) if prompts else None
 
 
-def encode_rows(rows: list[dict], source: str, tokenizer, args: Args) -> list[dict]:
-    """Tokenize every row with the chat template into ids + assistant mask. Rows over --max-length
-    stop the run, naming the first, or with --drop-long are left out; rows with no assistant turn
-    are skipped with a warning."""
+def encode_rows(rows: list[dict], source: str, images: list, tokenizer, processor, args: Args):
+    """Tokenize every row with the chat template into ids + assistant mask (a VLM's: each image's
+    tokens in, its pixels beside them). Rows over --max-length stop the run, naming the first, or
+    with --drop-long are left out; rows with no assistant turn are skipped with a warning."""
     encoded = [
         data.encode_example(tokenizer, r.get("messages", r.get("prompt")), r.get("completion"))
         for r in rows
     ]
-    lengths = [len(ids) for ids, _ in encoded]
+    encoded = [vision.expand(processor, *e, i) for e, i in zip(encoded, images)]
+    lengths = [len(ids) for ids, _, _ in encoded]
     kept = data.within(encoded, lengths, args.max_length, args.drop_long, source, "rows")
-    silent = sum(1 for _, m in encoded if not sum(m))  # nothing to learn from: no assistant turn
+    silent = sum(1 for _, m, _ in encoded if not sum(m))  # nothing to learn from: no assistant turn
     if silent:
         what = f"{silent} of {len(rows)} rows have no assistant turn"
         print(f"warning: {source}: {what}; they are skipped")
-    sequences = [make_sequence(ids, m) for ids, m in kept if sum(m)]
+    sequences = [make_sequence(ids, m) | pixels for ids, m, pixels in kept if sum(m)]
     if not sequences:
         raise InputError(f"{source}: no rows left with assistant tokens within --max-length")
     return sequences

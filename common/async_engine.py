@@ -82,9 +82,11 @@ class AsyncEngine:
                 self.idle_since = time.time()
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _request(self, token_ids: list[int], salt: str = ""):
-        """A prompt through AsyncLLM's renderer, salted by weight version: no stale prefix cache."""
-        prompt = {"prompt_token_ids": token_ids, "cache_salt": salt or f"v{self.version}"}
+    def _request(self, prompt, salt: str = ""):
+        """A prompt (ids, or a VLM's request: with its pictures) through AsyncLLM's renderer, salted
+        by weight version: no stale prefix cache."""
+        prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
+        prompt = {**prompt, "cache_salt": salt or f"v{self.version}"}
         return self.llm.renderer.render_cmpl([prompt])[0]  # one prompt in, one request out
 
     # The weight-transfer protocol; the update happens between start (pause) and finish (resume).
@@ -105,6 +107,7 @@ class AsyncEngine:
 
     async def finish_weight_update(self, version: int):
         await self.llm.finish_weight_update(weight_version=str(version))  # labels the next tokens
+        await self.llm.reset_encoder_cache()  # a VLM's image features: the old weights'
         self.version = version
         await self.llm.resume_generation()
         self._interval("paused", self.paused_at)
@@ -124,15 +127,16 @@ class AsyncEngine:
         self.intervals.append((what, start, end := time.time()))
         self.stats[f"{what}_s"] += end - start
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, prompt) -> list[float]:
         """As Engine.prompt_logprobs, served between the running requests' decoding steps."""
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        request, lora = self._request(token_ids), lora_request(self.adapter)
+        request, lora = self._request(prompt), lora_request(self.adapter)
         outs = self.llm.generate(request, params, uuid.uuid4().hex, lora_request=lora)
         outs = [out async for out in outs]
-        return [lp[t].logprob for t, lp in zip(token_ids[1:], outs[-1].prompt_logprobs[1:])]
+        ids = outs[-1].prompt_token_ids
+        return [lp[t].logprob for t, lp in zip(ids[1:], outs[-1].prompt_logprobs[1:])]
 
     async def get_stats(self) -> dict:
         """Running totals: tokens sampled, seconds idle (no request), seconds paused by updates."""

@@ -11,6 +11,7 @@ import torch
 from common.errors import InputError
 from common.isolate import UserFunction
 from common.lifetime import REPO
+from common.vision import stack
 
 NO_TEMPLATE = (
     "the model's tokenizer has no chat template, and the data has message lists: use "
@@ -105,12 +106,27 @@ def validate_rows(rows: list[dict], columns: list[str], source: str, numeric: tu
                 for j, m in enumerate(value, 1):
                     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                         raise InputError(f"{where}: message {j} is not a {{role, content}} object")
-                    if not isinstance(m.get("content"), str) or not m["content"].strip():
-                        raise InputError(f"{where}: message {j} ({m['role']}) has no text content")
+                    if not content_ok(m.get("content")):
+                        what = "(a string, or a list of text and image parts)"
+                        raise InputError(
+                            f"{where}: message {j} ({m['role']}) has no text content {what}"
+                        )
             else:
                 kinds = "a string, a number" if col in numeric else "a string"
                 got = f"(got {value!r:.40})"
                 raise InputError(f"{where} must be {kinds} or a non-empty list of messages {got}")
+
+
+def content_ok(content) -> bool:
+    """A message's content: text, or parts {"type": "text", "text"} and {"type": "image"} (its
+    picture in the row's `images`), one at least."""
+    if isinstance(content, str):
+        return bool(content.strip())
+    image = {"type": "image"}
+    parts = isinstance(content, list) and content and all(isinstance(p, dict) for p in content)
+    return bool(parts) and all(
+        p == image or (p.get("type") == "text" and isinstance(p.get("text"), str)) for p in content
+    )
 
 
 def check_pairs(rows: list[dict], source: str) -> None:
@@ -144,7 +160,12 @@ def render(tokenizer, messages: list, gen_prompt=False) -> list[int]:
     """Token ids of `messages` in the tokenizer's chat template (+ the generation prompt)."""
     if tokenizer.chat_template is None:
         raise InputError(NO_TEMPLATE)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen_prompt
+        )
+    except Exception as e:  # jinja's errors: e.g. a language model's template given image parts
+        raise InputError(f"the model's chat template cannot render the messages ({e})") from None
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -179,7 +200,8 @@ def encode_example(tokenizer, prompt, completion=None) -> tuple[list[int], list[
 
 def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]]:
     """First-fit, longest first: dicts of per-token lists into padding-free (1, T) rows of at most
-    `max_tokens`. "position_ids" restart at 0 per sequence: how SDPA/flash-attn keep them apart."""
+    `max_tokens`. "position_ids" restart at 0 per sequence: how SDPA/flash-attn keep them apart.
+    A VLM's sequences carry their images' tensors (n, ...): a row's are theirs, in its order."""
     rows, room = [], []  # the sequences of each row, and the tokens left in it
     for i in sorted(range(len(sequences)), key=lambda j: -len(sequences[j]["input_ids"])):
         if (n := len(sequences[i]["input_ids"])) > max_tokens:
@@ -192,8 +214,10 @@ def pack(sequences: list[dict], max_tokens: int) -> list[dict[str, torch.Tensor]
         rows[j].append(i)
         room[j] -= n
     seqs = [{**s, "position_ids": range(len(s["input_ids"]))} for s in sequences]
+    per_token = [key for key in seqs[0] if not torch.is_tensor(seqs[0][key])]
     return [
-        {key: torch.tensor([v for i in row for v in seqs[i][key]])[None] for key in seqs[0]}
+        {key: torch.tensor([v for i in row for v in seqs[i][key]])[None] for key in per_token}
+        | stack([{k: v for k, v in seqs[i].items() if torch.is_tensor(v)} for i in row])
         for row in rows
     ]
 
@@ -239,12 +263,16 @@ def batch_rows(step: int, num_rows: int, batch_size: int, seed: int) -> list[int
 
 
 class Prompt(NamedTuple):
-    """An RL prompt: token ids, reference answer, text as written, row in its file (from 1)."""
+    """An RL prompt: token ids, reference answer, text as written, row in its file (from 1). A VLM's
+    also: the engines' request (one image token an image, the pictures) and the pixel values; its
+    ids have each image's tokens in, as the model sees them (common/vision.py)."""
 
     ids: list[int]
     answer: str
     text: str | list
     row: int
+    request: dict | None = None
+    pixels: dict | None = None
 
 
 def make_sequence(prompt: list[int], response: list[int], trained=None, **per_response) -> dict:
@@ -257,6 +285,9 @@ def make_sequence(prompt: list[int], response: list[int], trained=None, **per_re
     pad, mask = [0.0] * (len(prompt) - 1), [0] * (len(prompt) - 1) + trained + [0]
     seq = {"input_ids": ids, "labels": ids[1:] + [0], "loss_mask": mask}
     for key, values in per_response.items():
+        if torch.is_tensor(values):  # a VLM's pixel values: the sequence's, not a token's
+            seq[key] = values
+            continue
         if len(values) != sum(trained):  # one per trained token: never shifted onto another
             raise ValueError(f"make_sequence: {len(values)} {key} for {sum(trained)} tokens")
         values = iter(values)

@@ -144,7 +144,10 @@ class Engine:
                 for s, m in zip(seeds, limits)
                 for j in range(n)
             ]
-        requests = [TokensPrompt(prompt_token_ids=p) for p in requests]
+        # a VLM's prompt: its request (ids with one image token an image, its pictures)
+        requests = [
+            TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in requests
+        ]
         lora = lora_request(self.adapter)
         outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         samples = [
@@ -171,23 +174,28 @@ class Engine:
 
     def finish_weight_update(self, version: int):
         self.llm.collective_rpc("finish_weight_update")
+        self.llm.llm_engine.reset_encoder_cache()  # a VLM's image features: the old weights'
         if not self.llm.reset_prefix_cache():  # cached KV blocks were computed by the old weights
             why = "after a weight update (requests running?)"
             raise RuntimeError(f"vLLM could not reset its prefix cache {why}")
 
-    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """log p(token_i | tokens < i), i >= 1 (weight_sync's check); greedy: no generator draw."""
+    def prompt_logprobs(self, prompt) -> list[float]:
+        """log p(token_i | tokens < i), i >= 1 (weight_sync's check); greedy: no generator draw.
+        `prompt`: token ids, or a VLM's request (the tokens: as vLLM expands its images)."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        request, lora = TokensPrompt(prompt_token_ids=token_ids), lora_request(self.adapter)
+        request = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt
+        lora = lora_request(self.adapter)
         out = self.llm.generate([request], params, use_tqdm=False, lora_request=lora)[0]
-        return [lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
+        ids = out.prompt_token_ids
+        return [lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]
 
     # Adapter-only sync (--lora-rank): the trainers' adapters, loaded in place by vLLM's LoRA API.
     def load_adapter(self, tensors: dict, config: dict, version: int):
         if not self.llm.llm_engine.add_lora(lora_request(self.adapter, tensors, config)):
             raise RuntimeError(f"vLLM did not load the adapters of version {version}")
+        self.llm.llm_engine.reset_encoder_cache()
         if not self.llm.reset_prefix_cache():  # cached KV blocks were computed by the old adapters
             raise RuntimeError("vLLM could not reset its prefix cache after an adapter update")
 

@@ -207,7 +207,7 @@ class Engines:  # the RL scripts'
 
 
 @dataclasses.dataclass
-class LoRA:  # off by default: adapters on a frozen base model, common/lora.py
+class LoRA:  # what trains: LoRA's adapters on a frozen base model (off by default), a VLM's tower
     lora_rank: Annotated[int, ">= 0, <= 512"] = 0  # vLLM's limit (lora.VLLM_RANKS)
     """r: train LoRA adapters of this rank on the frozen model (0: train every weight); only the
     adapters reach the optimizer (and the engines)"""
@@ -217,6 +217,9 @@ class LoRA:  # off by default: adapters on a frozen base model, common/lora.py
     """dropout on the adapters' input (keep 0 in RL: it would make π_θ random)"""
     lora_target_modules: str = DEFAULT_TARGETS
     """comma-separated linear layers of each decoder layer that get adapters"""
+    train_vision: bool = False
+    """a vision-language --model: train its vision tower too (default: frozen; the connector and
+    the language model learn; docs/vision.md)"""
 
 
 @dataclasses.dataclass

@@ -50,7 +50,7 @@ def check_model(args, model_path: str, name: str) -> None:
         return
     with torch.device("meta"):  # the decoder without a head: the same for an LM and a scorer
         model = AutoModel.from_config(AutoConfig.from_pretrained(model_path))
-    if (layers := getattr(model.base_model, "layers", None)) is None:
+    if (layers := getattr(model.get_decoder(), "layers", None)) is None:
         raise InputError(f"--lora-rank: {name} has no decoder layers at .layers")
     linear = {
         name.rsplit(".", 1)[-1]

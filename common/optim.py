@@ -19,14 +19,14 @@ NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5  # Jordan's quintic, to
 
 def make_optimizer(model, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """adamw: torch's AdamW (β 0.9, 0.95) on the trainable parameters, as before. muon: `Muon`,
-    one group of the 2-D matrices in model.base_model.layers, one AdamW group of the rest."""
+    one group of the 2-D matrices in model.get_decoder().layers, one AdamW group of the rest."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: the adapters
     if name == "adamw":
         return torch.optim.AdamW([p for _, p in named], lr, (0.9, 0.95), weight_decay=weight_decay)
     # LoRA's A, B are factors of a rank-r ΔW: orthogonalising each orthogonalises no ΔW: refused
     if lora := next((n for n, _ in named if "lora_" in n), None):
         raise InputError(f"--optimizer muon orthogonalises whole matrices, not LoRA's ({lora})")
-    hidden = {id(p) for p in model.base_model.layers.parameters() if p.ndim == 2}
+    hidden = {id(p) for p in model.get_decoder().layers.parameters() if p.ndim == 2}
     muon = [p for _, p in named if id(p) in hidden]
     if any(type(s) not in (Shard, Replicate) for p in muon for s in getattr(p, "placements", ())):
         raise InputError("--optimizer muon: a matrix is split other than by FSDP2's rows (TP?)")

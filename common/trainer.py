@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as sd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForImageTextToText as AutoVLM
 
-from common import checkpoint, lora, optim, packed_attn, placement, weight_sync
+from common import checkpoint, lora, optim, packed_attn, placement, vision, weight_sync
 from common.models import to_device
 from common.precision import LossScale, compute_dtype
 from common.ring_attn import Responses, enable_ring_attention, shard_micro_batch, sp_groups
@@ -36,7 +37,8 @@ def load_model(auto_cls, path, device, gradient_checkpointing, adapters=None, dt
     if adapters:
         adapters.add(model, compute)  # the frozen base in the compute dtype
     mp = MixedPrecisionPolicy(compute, reduce_dtype=torch.float32)  # fp32 masters and reduction
-    for module in [*model.base_model.layers, model]:  # each decoder layer, then the root
+    # each decoder layer, then the root (a VLM's vision tower and connector: in the root's group)
+    for module in [*model.get_decoder().layers, model]:
         fully_shard(module, mp_policy=mp)
     return model, load_weights(model, auto_cls, base, device, adapters)
 
@@ -80,9 +82,12 @@ def attn_implementation(device, dtype, config) -> str:
 
 
 def load_policy(path: str, device, gradient_checkpointing: bool, adapters=None, dtype="auto"):
-    """The policy: a causal LM, sharded by load_model (every script's model but rm.py's)."""
+    """The policy: a causal LM or a VLM (image-text-to-text), sharded by load_model (every script's
+    model but rm.py's)."""
+    base = adapters.base if adapters else path
+    auto_cls = AutoVLM if vision.is_vlm(base, base) else AutoModelForCausalLM
     args = path, device, gradient_checkpointing, adapters, dtype
-    return load_model(AutoModelForCausalLM, *args)[0]  # the model, not the weights it lacked
+    return load_model(auto_cls, *args)[0]  # the model, not the weights it lacked
 
 
 def lr_at(step: int, peak: float, warmup_steps: int, num_steps: int, min_lr_ratio: float) -> float:
@@ -128,6 +133,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(policy)
         adapters = lora.adapters(lora.spec(args, whole), start, policy)  # on the start model
         self.model = load(policy, self.device, args.gradient_checkpointing, adapters, args.dtype)
+        self.processor = vision.freeze(self.model, policy, getattr(args, "train_vision", False))
         self.sp = sp_groups(world, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share shard k
         enable_ring_attention(self.model, self.sp.group)  # a no-op when --sp-size is 1
         # π_ref: a frozen copy of the start model (also on --resume), named by the values it gives;
@@ -196,7 +202,8 @@ class Trainer:
 
     def init_weight_sync(self, engines: list, backend: str, addr: str, port: int, tp, merge):
         dtype = compute_dtype(self.device, self.args.dtype)  # the engines'
-        args = (self.model, self.tokenizer, engines, backend, self.rank, (addr, port), tp, dtype)
+        files = self.processor or self.tokenizer  # a VLM's probe holds a picture
+        args = (self.model, files, engines, backend, self.rank, (addr, port), tp, dtype)
         self.weight_sync = weight_sync.init_weight_sync(*args, merge)
 
     def push_weights(self) -> int:
@@ -207,11 +214,12 @@ class Trainer:
 
     def save(self, path: str, step: int, with_optimizer=True):  # a collective: rank 0 writes
         scale = self.scaler.state_dict()
-        args = self.model, self.optimizer, self.tokenizer, path, step, with_optimizer
+        files = self.processor or self.tokenizer  # a VLM's processor: its tokenizer and more
+        args = self.model, self.optimizer, files, path, step, with_optimizer
         checkpoint.save(*args, loss_scale=scale)
         if self.ema:  # θ_ema beside it: an HF folder of its own, ema/
             optim.ema_swap(self)
-            checkpoint.save(self.model, None, self.tokenizer, f"{path}/ema", step, False)
+            checkpoint.save(self.model, None, files, f"{path}/ema", step, False)
             optim.ema_swap(self)
 
     def load_optimizer(self, path: str):

@@ -14,7 +14,7 @@ import time
 import ray
 import torch
 
-from common import lora
+from common import lora, vision
 from common.errors import RunError
 from common.placement import actor_names, call
 from common.ring_attn import enable_ring_attention
@@ -107,6 +107,7 @@ class WeightSync:
 
     def __init__(self, transfer, colocated: bool, model, probe: list[int], dtype, nbytes: int):
         self.transfer, self.colocated, self.nbytes = transfer, colocated, nbytes
+        # probe: (ids, a VLM's pixels, the engines' request): vision.probe's
         self.model, self.probe, self.tolerance = model, probe, PROBE_TOLERANCE[dtype]
         if lora.on(model):  # the engines loaded only the base model: the first push, checked
             self.push()
@@ -129,8 +130,10 @@ class WeightSync:
         training, _ = self.model.training, self.model.eval()  # no dropout (--lora-dropout)
         enable_ring_attention(self.model, None)
         try:
-            ids = torch.tensor([self.probe], device=next(self.model.parameters()).device)
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            device = next(self.model.parameters()).device
+            ids, pixels = torch.tensor([self.probe[0]], device=device), self.probe[1]
+            images = {k: v.to(device) for k, v in vision.inputs(pixels).items()}
+            logits = self.model(input_ids=ids, use_cache=False, **images).logits[0, :-1].float()
         finally:
             self.model.train(training)
             enable_ring_attention(self.model, ring)  # None: stays off
@@ -138,7 +141,7 @@ class WeightSync:
         if not self.transfer.is_sender:
             return None
         client, gap = self.transfer.client, 0.0
-        engines = dict(zip(actor_names(client.engines), client.prompt_logprobs(self.probe)))
+        engines = dict(zip(actor_names(client.engines), client.prompt_logprobs(self.probe[2])))
         for name, theirs in {"the trainer": mine, **engines}.items():  # the trainer's first
             if not (theirs := torch.as_tensor(theirs, dtype=mine.dtype)).isfinite().all():
                 raise RuntimeError(
@@ -169,7 +172,7 @@ def init_weight_sync(
     """The trainer side, built on every rank (a collective); rank 0 meets the engines at `address`.
     Weights travel in the engines' `dtype` (bf16 on GPU: half fp32's bytes). LoRA models send only
     the adapters (`merge_lora`: merged weights), once here: engines loaded only the base model."""
-    probe = tokenizer(PROBE_TEXT).input_ids
+    probe = vision.probe(tokenizer, PROBE_TEXT)  # a VLM's (`tokenizer`: its processor): a picture
     if lora.on(model) and not merge_lora:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         client = EngineClient(engines, tp, -1)  # the first push, the start (B = 0): version 0

@@ -245,7 +245,8 @@ def probe_check(model, engine_logprobs: list[list[float]], dtype=torch.float16):
     ]
     client = SimpleNamespace(engines=engines, prompt_logprobs=lambda probe: engine_logprobs)
     sync = WeightSync.__new__(WeightSync)
-    sync.model, sync.probe, sync.tolerance = model, [1, 2, 3, 4], PROBE_TOLERANCE[dtype]
+    ids = [1, 2, 3, 4]  # (ids, no pixels, the engines' request): vision.probe's for a tokenizer
+    sync.model, sync.probe, sync.tolerance = model, (ids, {}, ids), PROBE_TOLERANCE[dtype]
     sync.transfer = SimpleNamespace(is_sender=True, client=client)
     return sync.check()
 
