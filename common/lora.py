@@ -123,7 +123,14 @@ def adapters(spec: dict | None, base: str, path: str) -> Adapters | None:
         return None
     from peft import LoraConfig
 
-    config = LoraConfig(**spec["config"], base_model_name_or_path=base)
+    from common.vision import is_vlm
+
+    config = dict(spec["config"])
+    if is_vlm(base, base):  # the language model's layers only (the vision tower has a q_proj too)
+        config["target_modules"] = (
+            rf".*\.text_model\.layers\.\d+\..*\.({'|'.join(config['target_modules'])})"
+        )
+    config = LoraConfig(**config, base_model_name_or_path=base)
     return Adapters(config, base, path if path != base else None, spec["whole"])
 
 

@@ -5,6 +5,7 @@ SmolVLM) pack like text; M-RoPE ones (Qwen2-VL and later) are refused. docs/visi
 
 import io
 import json
+import logging
 import os
 
 import torch
@@ -24,6 +25,13 @@ TEMPLATE = (
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
     "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+# transformers builds a default Idefics3 config (Llama's 32k vocabulary, pad token 128002) to
+# compare a model's with, and warns about the default's pad token, not the model's: not shown
+logging.getLogger("transformers.configuration_utils").addFilter(
+    lambda record: "got 128002" not in record.getMessage()
 )
 
 
@@ -55,8 +63,6 @@ def check_model(args, path: str, text_only: str = "") -> bool:
         raise InputError(f"--train-vision: --model {args.model!r} has no vision tower")
     if vlm and args.sp_size > 1:  # a row's image tokens would be split from their pixels
         raise InputError("--sp-size > 1 is not supported with a vision-language model")
-    if vlm and getattr(args, "lora_rank", 0):  # PEFT's targets would match the tower's too
-        raise InputError("--lora-rank is not supported with a vision-language model yet")
     return vlm
 
 

@@ -96,13 +96,15 @@ def test_common_stays_small():
     pass's open item; it may not grow. 4,737 since grpo_async.py's deterministic mode (AsyncEngine's
     signatures on one line each paid for it); 4,728 since spawn_engines reads the flags; 5,078 with
     vision-language models (common/vision.py, 266 lines: images, their tokens, the built-in VLM;
-    the loaders, packing, engines and probe taking pictures: 84)."""
+    the loaders, packing, engines and probe taking pictures: 84); 5,093 with LoRA on a VLM's language
+    model (its targets matched under text_model.layers) and transformers' warning about its own
+    default Idefics3 config filtered out."""
     files = sorted(f for f in os.listdir(os.path.join(REPO, "common")) if f.endswith(".py"))
     sizes = {f: formatted_lines(os.path.join("common", f)) for f in files}
     for f, n in sizes.items():  # one room each (memory.py, the plan, is the largest)
         assert n <= 330, f"common/{f} has {n} lines"
     total = sum(sizes.values())
-    assert total <= 5078, f"common/ has {total} lines (formatted)"
+    assert total <= 5093, f"common/ has {total} lines (formatted)"
 
 
 def test_fmt_skip_is_rare():

@@ -14,9 +14,11 @@ from conftest import (
     assert_resume_is_exact,
     engine_flags,
     only_run_dir,
+    parity_reward,
     read_jsonl,
     run_script,
 )
+from safetensors.torch import load_file
 
 import sft
 from common import data, vision
@@ -251,20 +253,36 @@ def test_a_push_reaches_the_pictures_only_with_the_encoder_cache_reset(ray_cpu, 
         call(trainers, "push_and_check")
 
 
-def test_grpo_runs_on_pictures(tiny_vlm, tmp_path):
-    """grpo.py with a VLM --model, 2 steps on the shapes prompts: vLLM samples with the pictures,
-    the trainer's log-probs of those tokens equal the engine's (so both saw the same image tokens
-    and features), and every push passes the probe with a picture."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_runs_on_pictures(tiny_vlm, tmp_path, lora):
+    """grpo.py with a VLM --model, 2 steps on the shapes prompts (a length-parity reward, so every
+    step has advantages and the weights move): vLLM samples with the pictures, the trainer's
+    log-probs of those tokens equal the engine's (both saw the same image tokens and features), and
+    every push passes the probe with a picture. LoRA: adapters on the language model's layers only,
+    loaded by the engines after each step."""
     flags = (
         "--model", tiny_vlm, "--dataset", os.path.join(SHAPES, "prompts_train.jsonl"),
         "--eval-dataset", os.path.join(SHAPES, "prompts_test.jsonl"), "--num-steps", "2",
         "--eval-every", "2", "--prompts-per-step", "2", "--num-generations", "4",
-        "--max-response-length", "6", "--learning-rate", "1e-3", "--output-dir", str(tmp_path),
+        "--max-response-length", "6", "--reward-fn", parity_reward(tmp_path),
+        "--output-dir", str(tmp_path / "runs"),
     )  # fmt: skip
+    flags += (
+        ("--lora-rank", "8", "--learning-rate", "1e-2") if lora else ("--learning-rate", "1e-3")
+    )
     result = run_script("grpo.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
-    metrics = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    run_dir = only_run_dir(tmp_path / "runs")
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     steps = [m for m in metrics if "train/loss" in m]
     assert len(steps) == 2 and "eval/accuracy" in metrics[-1]
     for m in steps:
+        assert m["train/grad_norm"] > 0
         assert m["train/logprob_diff_max"] < 1e-3 and m["perf/sync_probe_gap"] < 1e-3
+    if lora:  # the adapters moved, and none is on the vision tower
+        adapter = os.path.join(
+            run_dir, "checkpoints", "final", "adapter", "adapter_model.safetensors"
+        )
+        tensors = load_file(adapter)
+        assert tensors and all(".text_model.layers." in k for k in tensors)
+        assert max(v.abs().max().item() for k, v in tensors.items() if "lora_B" in k) > 1e-3
