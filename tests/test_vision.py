@@ -278,7 +278,7 @@ def test_grpo_runs_on_pictures(tiny_vlm, tmp_path, lora):
     assert len(steps) == 2 and "eval/accuracy" in metrics[-1]
     for m in steps:
         assert m["train/grad_norm"] > 0
-        assert m["train/logprob_diff_max"] < 1e-3 and m["perf/sync_probe_gap"] < 1e-3
+        assert m["train/logprob_diff_max"] < 1e-4 and m["perf/sync_probe_gap"] < 1e-4  # fp32
     if lora:  # the adapters moved, and none is on the vision tower
         adapter = os.path.join(
             run_dir, "checkpoints", "final", "adapter", "adapter_model.safetensors"
