@@ -14,6 +14,7 @@ from common.errors import InputError
 
 FAMILIES = ("idefics3", "smolvlm")
 BUILTIN_VLM = "builtin:SmolLM2-135M-Vision"
+SCRIPTS = "sft.py, grpo.py, dapo.py or grpo_async.py"  # those that train a VLM
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]  # Idefics3's, in order
 # The built-in model's chat template: SmolLM2's, with a message's content a string or a list of
 # {"type": "text", "text"} and {"type": "image"} parts (an image part writes one <image>).
@@ -55,9 +56,8 @@ def check_model(args, path: str, text_only: str = "") -> bool:
     line where they do not."""
     vlm = is_vlm(path, args.model)
     if vlm and text_only:
-        scripts = "sft.py, grpo.py, dapo.py or grpo_async.py"
         raise InputError(
-            f"{text_only} trains language models only: for a VLM --model use {scripts}"
+            f"{text_only} trains language models only: for a VLM --model use {SCRIPTS}"
         )
     if getattr(args, "train_vision", False) and not vlm:
         raise InputError(f"--train-vision: --model {args.model!r} has no vision tower")
@@ -71,11 +71,6 @@ def processor(path: str, vlm: bool):
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(path) if vlm else None
-
-
-def image_column(rows: list[dict]) -> str | None:
-    """TRL's column of a row's images: `images` (a list) or `image` (one)."""
-    return next((c for c in ("images", "image") if c in rows[0]), None) if rows else None
 
 
 def placeholders(*conversations) -> int:
@@ -116,11 +111,10 @@ def load_images(value, folder: str, where: str) -> list:
 def row_images(rows: list[dict], source: str, vlm: bool, *columns: str) -> list[list]:
     """Every row's images, read and checked before anything starts: as many as its messages' image
     parts (`columns`), and none unless the model is a VLM. [] for a row without images."""
-    column = image_column(rows)
     folder = os.path.dirname(os.path.abspath(source)) if os.path.exists(source) else os.getcwd()
     out = []
     for i, row in enumerate(rows, 1):
-        value = row.get(column) if column else None
+        value = row.get("images", row.get("image"))  # TRL's columns: a list, or one
         images = load_images(value, folder, f"{source}: row {i}") if value else []
         wanted = placeholders(*(row.get(c) for c in columns))
         if len(images) != wanted:
@@ -129,8 +123,9 @@ def row_images(rows: list[dict], source: str, vlm: bool, *columns: str) -> list[
                 '({"type": "image"}) in its messages'
             )
         if images and not vlm:
-            need = "a vision-language --model (sft.py, grpo.py)"
-            raise InputError(f"{source}: row {i} has images, which need {need}")
+            raise InputError(
+                f"{source}: row {i} has images: a VLM --model takes them, in {SCRIPTS}"
+            )
         out.append(images)
     return out
 
@@ -175,7 +170,7 @@ def probe(processor, text: str) -> tuple:
     ramp = Image.linear_gradient("L").resize((128, 128))
     picture = Image.merge("RGB", [ramp, ramp.rotate(90), ramp.rotate(180)])
     request = processor.tokenizer(processor.image_token + text).input_ids
-    ids, _, pixels = expand(processor, request, [0] * len(request), [picture])
+    ids, pixels = prompt(processor, request, [picture])
     return ids, pixels, {"prompt_token_ids": request, "multi_modal_data": {"image": [picture]}}
 
 

@@ -145,6 +145,10 @@ def test_bad_images_stop_in_one_line(tmp_path, tiny_model):
         where = re.escape(f"error: {tmp_path}/p.jsonl: row 2")
         with pytest.raises(InputError, match=rf"^{where}\b.*{re.escape(expected)}"):
             vision.row_images(rows, str(tmp_path / "p.jsonl"), True, "prompt")
+    # a row's pictures are its own: a text row first does not hide the next one's column
+    text_row = {"prompt": "plain text", "answer": "red"}
+    mixed = vision.row_images([text_row, {**good, "images": [picture]}], "x", True, "prompt")
+    assert [len(images) for images in mixed] == [0, 1]
     # bytes and datasets' {"bytes": ...} load as the file does; a language model refuses images
     raw = open(picture, "rb").read()
     for value in (raw, {"bytes": raw, "path": None}):
@@ -152,7 +156,7 @@ def test_bad_images_stop_in_one_line(tmp_path, tiny_model):
         assert img.tobytes() == vision.load_images(picture, "", "x")[0].tobytes()
     with pytest.raises(
         InputError,
-        match=r"row 1 has images, which need a vision-language --model \(sft.py, grpo.py\)",
+        match=r"row 1 has images: a VLM --model takes them, in sft.py, grpo.py, dapo.py or grpo_async.py",
     ):
         vision.row_images([{**good, "images": [picture]}], "x", False, "prompt")
     # messages: text, or parts of text and images; anything else in one line
