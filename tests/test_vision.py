@@ -46,6 +46,24 @@ def tiny_vlm(tmp_path_factory, tiny_model):
     return str(dest)
 
 
+@pytest.fixture(scope="module")
+def eager_vlm(tmp_path_factory, tiny_vlm):
+    """The test VLM with its (tied) embedding row for EOS made large (it is the pad token's: zeros),
+    so responses end at different lengths (dapo.py leaves truncated ones out of its loss; a random
+    model almost never samples EOS)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    dest = str(tmp_path_factory.mktemp("eager_vlm") / "model")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    with torch.no_grad():
+        rows = model.get_input_embeddings().weight
+        rows[processor.tokenizer.eos_token_id] = 100 * rows[5]
+    model.save_pretrained(dest)
+    processor.save_pretrained(dest)
+    return dest
+
+
 def shapes_rows(name: str, n: int) -> list[dict]:
     return read_jsonl(os.path.join(SHAPES, name))[:n]
 
@@ -257,15 +275,21 @@ def test_a_push_reaches_the_pictures_only_with_the_encoder_cache_reset(ray_cpu, 
         call(trainers, "push_and_check")
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_runs_on_pictures(tiny_vlm, tmp_path, lora):
-    """grpo.py with a VLM --model, 2 steps on the shapes prompts (a length-parity reward, so every
-    step has advantages and the weights move): vLLM samples with the pictures, the trainer's
-    log-probs of those tokens equal the engine's (both saw the same image tokens and features), and
-    every push passes the probe with a picture. LoRA: adapters on the language model's layers only,
-    loaded by the engines after each step."""
+@pytest.mark.parametrize(
+    "script, lora",
+    [("grpo.py", False), ("grpo.py", True), ("dapo.py", False), ("grpo_async.py", True)],
+    ids=["grpo-full", "grpo-lora", "dapo-full", "async-lora"],
+)
+def test_the_grpo_family_runs_on_pictures(request, tmp_path, script, lora):
+    """grpo.py, dapo.py and grpo_async.py with a VLM --model, 2 steps on the shapes prompts (a
+    length-parity reward, so every step has advantages and the weights move): vLLM samples with the
+    pictures (grpo_async.py: its AsyncEngine, weights pushed while it runs), the trainer's log-probs
+    of those tokens equal the engine's (both saw the same image tokens and features), and every push
+    passes the probe with a picture. LoRA: adapters on the language model's layers only, loaded by
+    the engines after each step."""
+    model = request.getfixturevalue("eager_vlm" if script == "dapo.py" else "tiny_vlm")
     flags = (
-        "--model", tiny_vlm, "--dataset", os.path.join(SHAPES, "prompts_train.jsonl"),
+        "--model", model, "--dataset", os.path.join(SHAPES, "prompts_train.jsonl"),
         "--eval-dataset", os.path.join(SHAPES, "prompts_test.jsonl"), "--num-steps", "2",
         "--eval-every", "2", "--prompts-per-step", "2", "--num-generations", "4",
         "--max-response-length", "6", "--reward-fn", parity_reward(tmp_path),
@@ -274,12 +298,20 @@ def test_grpo_runs_on_pictures(tiny_vlm, tmp_path, lora):
     flags += (
         ("--lora-rank", "8", "--learning-rate", "1e-2") if lora else ("--learning-rate", "1e-3")
     )
-    result = run_script("grpo.py", *flags)
+    # grpo_async.py on-policy: every token sampled by the weights it trains; dapo.py: a buffer
+    # shorter than the 6 tokens a response may take
+    flags += {"grpo_async.py": ("--max-lag", "0"), "dapo.py": ("--overlong-buffer", "2")}.get(
+        script, ()
+    )
+    result = run_script(script, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     steps = [m for m in metrics if "train/loss" in m]
-    assert len(steps) == 2 and "eval/accuracy" in metrics[-1]
+    assert len(metrics) == 3 and "eval/accuracy" in metrics[-1]  # steps 0, 1, 2
+    # dapo.py trains on responses that ended: the random model's at step 2 do not (its step 1 is
+    # kept: a push and a probe with pictures, then step 2 sampled with the pushed weights)
+    assert len(steps) == (1 if script == "dapo.py" else 2)
     for m in steps:
         assert m["train/grad_norm"] > 0
         assert m["train/logprob_diff_max"] < 1e-4 and m["perf/sync_probe_gap"] < 1e-4  # fp32
