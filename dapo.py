@@ -93,7 +93,6 @@ class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s fla
     """ε_low: the ratio π_θ / π_θold is clipped below at 1 - ε_low"""
     clip_eps_high: Annotated[float, "> 0"] = 0.28
     """ε_high: the ratio is clipped above at 1 + ε_high (> ε_low: rare tokens can grow)"""
-    # DAPO (no-kl): no β, no reference model: the policy may move far from the start (§2.3)
     tis_cap: Annotated[float, ">= 1"] = 2.0
     """C: cap of the truncated importance weight π_θold / π_vllm (IcePop: its band is [1/C, C])"""
     is_correction: Literal["tis", "icepop", "seq-mask"] = "tis"
@@ -183,18 +182,17 @@ def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def sample_groups(draw, num_groups: int, group_size: int, max_rounds: int):
-    """DAPO §3.2: draw(k) -> (groups, rewards, scores) for k = 0, 1, ... until num_groups pass
-    keep_groups (on the scores, not the length penalty) or k = max_rounds; all drawn + kept."""
-    groups, rewards, kept = [], [], []
+    """DAPO §3.2: draw(k) -> (samples, rewards, scores), k = 0, 1, ... until num_groups groups pass
+    keep_groups (the scores: no length penalty) or max_rounds: (samples, rewards, kept, rounds)."""
+    rounds, rewards, kept, have = [], [], [], 0
     for k in range(max_rounds):
-        new_groups, new_rewards, new_scores = draw(k)
+        samples, new_rewards, new_scores = draw(k)
         keep = keep_groups(new_scores, group_size)
-        have = sum(int(x.sum()) for x in kept)
         keep &= keep.cumsum(0) <= num_groups - have  # a full batch takes no more
-        groups, rewards, kept = groups + new_groups, rewards + [new_rewards], kept + [keep]
-        if sum(int(x.sum()) for x in kept) == num_groups:
+        rounds, rewards, kept = rounds + [samples], rewards + [new_rewards], kept + [keep]
+        if (have := have + int(keep.sum())) == num_groups:
             break
-    return groups, torch.cat(rewards), torch.cat(kept), k + 1
+    return rounds, torch.cat(rewards), torch.cat(kept), k + 1
 
 
 def overlong_penalty(length: int, args: Args) -> float:
@@ -225,7 +223,7 @@ def compute_policy_loss(logprobs, old_logprobs, advantages, eps_low: float, eps_
     return -torch.min(unclipped, clipped), clipped < unclipped
 
 
-# DAPO (no-kl): grpo.py's compute_kl (k3 KL to the reference model) is gone with the KL term.
+# DAPO (no-kl): no β KL to a reference model, no compute_kl: the policy may move far (§2.3).
 
 
 def importance_weights(old_logprobs, engine_logprobs, args: Args, responses=None) -> torch.Tensor:
@@ -266,10 +264,11 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torc
     tis = importance_weights(old, values["engine_logprobs"], args, values.get("responses"))
     eps = (args.clip_eps_low, args.clip_eps_high)  # DAPO (clip-higher): [1 - ε_low, 1 + ε_high]
     pg_loss, clipped = compute_policy_loss(logprobs, old, values["advantages"], *eps)
-    token_loss = tis * pg_loss  # DAPO (no-kl): no β KL term
+    token_loss = tis * pg_loss
     # clipfrac: the clip cut the gradient (ρ left [1-ε, 1+ε] the way Â pushes it); tis_weight: 1
     # when the trainer and vLLM agree on every token
     stats = {"clipfrac": clipped.sum(), "tis_weight": tis.sum()}
+    # DAPO (no-kl): no β KL_k3 term is added to the token loss
     masked = {"icepop": "icepop_masked", "seq-mask": "seq_masked"}.get(args.is_correction)
     if masked:  # the share of tokens the mask dropped (seq-mask: whole responses')
         stats[masked] = (tis == 0).sum()
@@ -281,7 +280,8 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
     """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
     reward (and each term's): the spread inside groups and the share of groups every sample solved,
     or none did, by the verifier (with the verifier alone those two carry no signal: Â = 0)."""
-    grouped, lengths = rewards.view(-1, group_size), [len(s["token_ids"]) for s in responses]
+    # |o_i|: a response's sampled tokens (each came with its log-probability)
+    grouped, lengths = rewards.view(-1, group_size), [len(s["logprobs"]) for s in responses]
     solved = parts["verifier"].view(-1, group_size)
     return {
         "rollout/reward": rewards.mean().item(),
@@ -423,28 +423,25 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k not in quiet]
         run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
+        group = [p for p in batch for _ in range(G)]  # each response's prompt
         rows = [
-            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
-             "reward": rewards[i].item()}
-            for i in range(min(len(texts), 2 * G))
-        ]  # fmt: skip
+            dict(prompt=p.text, response=t, answer=p.answer, reward=r)
+            for p, t, r in zip(group[: 2 * G], texts, rewards.tolist())
+        ]
         run.log_samples(done, rows)
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
             with checkpoint.staged(run.checkpoint_dir(done), done) as folder:  # whole or absent
                 call(trainers, "save", folder, done)
 
-    # DAPO (dynamic-sampling): round k of a step; the length penalty joins the reward, not the score
-    def rollout(step: int, k: int) -> tuple:
+    def rollout(step: int, k: int) -> tuple:  # DAPO (dynamic-sampling): round k, reward and score
         draw = step * args.max_sampling_rounds + k  # fresh prompts and seeds, pure in the step
         batch = [train[i] for i in batch_rows(draw, len(train), args.prompts_per_step, args.seed)]
         ids, where = [p.request or p.ids for p in batch], f"step {step + 1}"
         outs = generate(engines, ids, n=G, temperature=args.temperature, draw=draw, **sampling)
         texts, scores, parts = score_responses(terms, batch, outs, tokenizer, where, timeout)
         penalties = [overlong_penalty(len(s["token_ids"]), args) for group in outs for s in group]
-        texts = [texts[i * G : (i + 1) * G] for i in range(len(batch))]
-        parts = [{n: v[i * G : (i + 1) * G] for n, v in parts.items()} for i in range(len(batch))]
-        return list(zip(batch, outs, texts, parts)), scores + torch.tensor(penalties), scores
+        return (batch, outs, texts, parts), scores + torch.tensor(penalties), scores
 
     # ---- training loop: generate -> reward -> advantages -> train -> sync ----
     first = evaluate(0) if resume_step == 0 else {}
@@ -453,15 +450,13 @@ def main(args: Args):
     train = prompts["train"]
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
-        groups, rewards, kept, rounds = sample_groups(  # DAPO (dynamic-sampling)
+        drawn, rewards, kept, rounds = sample_groups(  # DAPO (dynamic-sampling)
             lambda k, s=step: rollout(s, k), args.prompts_per_step, G, args.max_sampling_rounds
         )
-        batch, outs = [g[0] for g in groups], [g[1] for g in groups]
-        texts = [t for g in groups for t in g[2]]
-        parts = {n: torch.cat([g[3][n] for g in groups]) for n in groups[0][3]}  # every group drawn
-        # DAPO (overlong-filtering): truncated responses leave the loss (their reward counts in Â)
+        batch, outs, texts = ([x for r in drawn for x in r[i]] for i in range(3))  # every round's
+        parts = {n: torch.cat([r[3][n] for r in drawn]) for n in drawn[0][3]}
         ended = torch.tensor([s["finish_reason"] != "length" for o in outs for s in o])
-        kept = kept.repeat_interleave(G) & ended
+        kept = kept.repeat_interleave(G) & ended  # DAPO (overlong-filtering): not in the loss
         sampled = {  # DAPO (dynamic-sampling): rounds used, groups trained, unused rounds' prompts
             "rollout/sampling_rounds": rounds,
             "rollout/kept_groups": int(kept.view(-1, G).any(dim=1).sum()),
@@ -481,7 +476,7 @@ def main(args: Args):
         sequences = []
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
-            values = {"advantages": [advantages[i].item()] * len(s["token_ids"])}
+            values = {"advantages": [advantages[i].item()] * len(s["logprobs"])}  # |o_i| of Â
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
             values |= batch[i // G].pixels or {}  # a VLM's: the prompt's pictures
             sequences.append((batch[i // G].ids, s["token_ids"], values))
@@ -494,7 +489,7 @@ def main(args: Args):
         t_sync = time.time()
 
         # ---- log ----
-        generated = sum(len(s["token_ids"]) for s in responses)
+        generated = sum(len(s["logprobs"]) for s in responses)
         trained = sum(len(p) + len(r) for p, r, _ in sequences) * args.num_epochs
         metrics = {
             **rollout_metrics(rewards, parts, responses, G),
@@ -605,7 +600,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     the weight sync. Returns (trainers, engines)."""
     layout = placement.Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate
-    )  # fmt: skip
+    )
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path

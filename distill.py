@@ -1,14 +1,12 @@
 """On-policy distillation (Agarwal et al. 2024, GKD, arXiv 2306.13649; Thinking Machines 2025).
 
-The student π_θ samples responses o ~ π_θ(· | q) as grpo.py does; a frozen teacher π_T scores every
-sampled token, and the student is pushed toward the teacher where it samples, by the per-token
-reverse KL as a dense advantage (no discounting, no baseline; λ adds the verifier's reward r_i):
+The student π_θ samples o ~ π_θ(· | q) as grpo.py does (vLLM, weight sync); a frozen teacher π_T
+scores every sampled token, and the per-token reverse KL is a dense advantage (λ adds r_i):
     Â_it = -k(o_it) + λ (r_i - b),     k1 = log π_θold(o_it) - log π_T(o_it)   (k3: --kl-estimator)
     J(θ) = 1/G Σ_i 1/|o_i| Σ_t min(ρ_it Â_it, clip(ρ_it, 1-ε, 1+ε) Â_it),  ρ_it = π_θ / π_θold
 With k1, on-policy, ∇J = -∇KL(π_θ || π_T) in expectation: the student learns the teacher's choices
-on its own mistakes, a signal per token where RL has one per response. The teacher is a model
-(--teacher), or by default the starting model told the reference answer in its prompt (privileged
-self-distillation, as in OPSD and SDFT). vLLM samples and gets the weights as in grpo.py.
+on its own mistakes, a signal per token where RL has one per response. The teacher is --teacher or,
+by default, the starting model told the answer in its prompt (self-distillation: OPSD, SDFT).
 
 Run it:
     python distill.py                                 # self-distillation, built-in model and task
@@ -82,8 +80,7 @@ class Args(Optimization, LoRA, Engines, Resources, Experiment):  # common/'s fla
 
     # Algorithm
     teacher: str = ""  # DISTILL (teacher)
-    """π_T: HF hub id, local HF folder or a run's checkpoint (its checkpoints/final), frozen, with
-    --model's tokenizer; "": self-distillation, the starting model given the reference answer"""
+    """π_T: hub id, folder or run checkpoint, frozen, with --model's tokenizer ("": self-distill)"""
     teacher_prompt: Literal["auto", "answer", "same"] = "auto"  # DISTILL (teacher)
     """the teacher's prompt: the student's with the reference answer before the question (answer),
     or the student's (same); auto: answer for self-distillation, same with --teacher"""
@@ -171,9 +168,8 @@ def reward_fn(response: str, answer: str) -> float:
 
 # ALGO LOGIC: the advantages, which groups to train on, the loss and how it is aggregated.
 def compute_advantages(rewards: torch.Tensor, group_size: int, coef: float):  # DISTILL (advantage)
-    """The verifier's part of Â, the same for every token of o_i: (B*G,)
-    rewards grouped by prompt -> λ (r_i - b), b the group's mean (0 for G = 1: no baseline, the
-    reward itself). The teacher's per-token part joins it in compute_loss (reverse_kl)."""
+    """The verifier's part of Â, the same for every token of o_i: (B*G,) rewards grouped by prompt
+    -> λ (r_i - b), b the group's mean (0 for G = 1); the teacher's part joins in compute_loss."""
     r = rewards.view(-1, group_size)  # (B, G)
     baseline = r.mean(dim=1, keepdim=True) if group_size > 1 else 0.0
     return (coef * (r - baseline)).view(-1)
@@ -221,10 +217,7 @@ def reverse_kl(logprobs, teacher_logprobs, estimator: str = "k1"):  # DISTILL (a
     """KL(π_θ || π_T) estimated at each token o_t ~ π_θ (Schulman 2020), (N,):
         k1 = log π_θ(o_t) - log π_T(o_t)      unbiased, of either sign
         k3 = e^(-k1) + k1 - 1 >= 0            unbiased for the KL's value, lower variance
-    As a reward -k, k1's policy gradient E[-k1 ∇log π_θ] is exactly -∇KL(π_θ || π_T); k3's is not:
-    E[k3 ∇log π_θ] = ∇KL + Σ_v π_T(v) ∇log π_θ(v), so -k3 also pushes down the tokens the teacher
-    favours (a token with π_T = 10 π_θ gets Â = -6.7, where k1 gives +2.3). tests/test_distill.py
-    computes both over a whole vocabulary; k3 is here to be compared, k1 is the default."""
+    As a reward -k, k1's policy gradient is -∇KL; k3's is biased (docs/distill.md)."""
     k1 = logprobs - teacher_logprobs
     return torch.exp(-k1) + k1 - 1 if estimator == "k3" else k1
 
@@ -254,9 +247,9 @@ def loss_weights(response_lengths: list[int], args: Args) -> list[list[float]]:
     return [[1.0 / (n * length)] * length for length in response_lengths]
 
 
-def compute_loss(logprobs: torch.Tensor, values: dict, args: Args):  # DISTILL (advantage): Â_t
+def compute_loss(logprobs: torch.Tensor, values: dict, args: Args) -> tuple[torch.Tensor, dict]:
     """The loss on one micro-batch's response tokens, and per-token stats to sum (train/<name>):
-        L = Σ_t w_t IS_t · clipped surrogate_t,   Â_t = -k(π_θold, π_T)_t + λ (r_i - b)
+        L = Σ_t w_t IS_t · clipped surrogate_t,   Â_t = -k_t + λ (r_i - b)  # DISTILL (advantage)
     logprobs (N,) are π_θ's; `values` holds the micro-batch's other per-token values, (N,) each:
     those the loop gave make_sequence (advantages: the verifier's part, engine_logprobs,
     teacher_logprobs), the aggregation's loss_weights w_t, old_logprobs (π_θold). TIS: sampled by
@@ -272,8 +265,9 @@ def compute_loss(logprobs: torch.Tensor, values: dict, args: Args):  # DISTILL (
     pg_loss, clipped = compute_policy_loss(logprobs, old, advantages, *eps)
     token_loss = tis * pg_loss
     # clipfrac: the clip cut the gradient (ρ left [1-ε, 1+ε] the way Â pushes it); tis_weight: 1
-    # when the trainer and vLLM agree on every token; reverse_kl: k1's mean, whatever Â uses
-    stats = {"clipfrac": clipped.sum(), "tis_weight": tis.sum()}  # DISTILL (advantage): k1
+    # when the trainer and vLLM agree on every token
+    stats = {"clipfrac": clipped.sum(), "tis_weight": tis.sum()}
+    # DISTILL (advantage): the reverse KL's k1 estimate, whichever estimator Â uses
     stats["reverse_kl"] = reverse_kl(old, values["teacher_logprobs"]).sum()
     masked = {"icepop": "icepop_masked", "seq-mask": "seq_masked"}.get(args.is_correction)
     if masked:  # the share of tokens the mask dropped (seq-mask: whole responses')
@@ -286,7 +280,8 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
     """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
     reward (and each term's): the spread inside groups and the share of groups every sample solved,
     or none did, by the verifier (with the verifier alone those two carry no signal: Â = 0)."""
-    grouped, lengths = rewards.view(-1, group_size), [len(s["token_ids"]) for s in responses]
+    # |o_i|: a response's sampled tokens (each came with its log-probability)
+    grouped, lengths = rewards.view(-1, group_size), [len(s["logprobs"]) for s in responses]
     solved = parts["verifier"].view(-1, group_size)
     return {
         "rollout/reward": rewards.mean().item(),
@@ -393,9 +388,8 @@ def train_step(trainer, minibatches: list[list[dict]], step: int) -> dict:
 
 
 def score_teacher(trainer, micro_batches: list[dict]) -> torch.Tensor:  # DISTILL (teacher)
-    """log π_T(o_t | its prompt, o_<t) at this rank's response tokens of the teacher's sequences,
-    as vLLM sampled (temperature, top-p); (2, N): which of the step's tokens ("token"), log π_T.
-    --live-teacher: π_θ before this step's update scores, in the teacher's prompt."""
+    """log π_T(o_t | its prompt, o_<t) at this rank's tokens as vLLM sampled (temperature, top-p):
+    (2, N): which of the step's tokens ("token"), log π_T (--live-teacher: π_θ, not yet updated)."""
     args = trainer.args
     teacher = trainer.model if args.live_teacher else trainer.frozen["teacher"]
     out = [torch.zeros(2, 0)]
@@ -412,10 +406,8 @@ def teacher_scores(trainers, prompts: list, responses, args: Args) -> list:  # D
     """log π_T of every response token in its teacher's prompt, (B*G,) lists: dealt to the ranks as
     an update is, scored there, put back by each token's index ("token": exact in fp32 to 2^24)."""
     starts = torch.tensor([0] + [len(s["token_ids"]) for s in responses]).cumsum(0).tolist()
-    seqs = [
-        make_sequence(p, s["token_ids"], token=range(a, a + len(s["token_ids"])))
-        for p, s, a in zip(prompts, responses, starts)
-    ]
+    spans = zip(prompts, responses, starts, starts[1:])  # response i's tokens: a..b of the step's
+    seqs = [make_sequence(p, s["token_ids"], token=range(a, b)) for p, s, a, b in spans]
     n, budget, scores = args.num_trainers, args.max_tokens_per_micro_batch, torch.zeros(starts[-1])
     shares = data.split_for_ranks(seqs, n, budget, args.sp_size)
     for which, logprobs in call(trainers, score_teacher, per_rank=shares):
@@ -465,11 +457,11 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k not in quiet]
         run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
+        group = [p for p in batch for _ in range(G)]  # each response's prompt
         rows = [
-            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
-             "reward": rewards[i].item()}
-            for i in range(min(len(texts), 2 * G))
-        ]  # fmt: skip
+            dict(prompt=p.text, response=t, answer=p.answer, reward=r)
+            for p, t, r in zip(group[: 2 * G], texts, rewards.tolist())
+        ]
         run.log_samples(done, rows)
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
@@ -501,8 +493,9 @@ def main(args: Args):
         sequences = []
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
-            values = {"advantages": [advantages[i].item()] * len(s["token_ids"])}
+            values = {"advantages": [advantages[i].item()] * len(s["logprobs"])}  # |o_i| of Â
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
+            values |= batch[i // G].pixels or {}  # a VLM's: the prompt's pictures
             values["teacher_logprobs"] = teacher_logprobs[i]  # DISTILL (teacher): log π_T
             sequences.append((batch[i // G].ids, s["token_ids"], values))
         shares = plan_minibatches(sequences, step, args)  # with loss_weights: the aggregation
@@ -514,7 +507,7 @@ def main(args: Args):
         t_sync = time.time()
 
         # ---- log ----
-        generated = sum(len(s["token_ids"]) for s in responses)
+        generated = sum(len(s["logprobs"]) for s in responses)
         trained = sum(len(p) + len(r) for p, r, _ in sequences) * args.num_epochs
         metrics = {
             **rollout_metrics(rewards, parts, responses, G),
@@ -566,9 +559,7 @@ def validate_args(args: Args) -> None:
             "--num-engines = --num-trainers"
         )
     if not args.teacher and args.teacher_prompt == "same":  # DISTILL (teacher): no signal
-        raise InputError(
-            "self-distillation's teacher is told the answer: drop --teacher-prompt same"
-        )
+        raise InputError("self-distillation's teacher is told the answer: no --teacher-prompt same")
     if args.live_teacher and args.teacher:  # DISTILL (teacher)
         raise InputError("--live-teacher makes the policy its own teacher: drop it or --teacher")
     longest = args.max_prompt_length + args.max_response_length
@@ -610,9 +601,8 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
     vlm = vision.check_model(args, model_path, "distill.py")  # DISTILL (teacher): text only
     lora.check_model(args, model_path, args.model)
     entropy = "entropy" in policy_values(args)  # the LM head's chunks: one more
-    # DISTILL (teacher): a frozen copy of the start model, or another model's folder
-    teacher = next((path for _, path in frozen_models(args)), None)
-    start_copy = not args.teacher and not args.live_teacher
+    teacher = models.resolve_model(args.teacher) if args.teacher else None  # DISTILL (teacher)
+    start_copy = not args.teacher and not args.live_teacher  # DISTILL (teacher): self-distill's
     memory.check_run(args, use_gpu, model_path, start_copy, entropy=entropy, teacher=teacher)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     processor = vision.processor(model_path, vlm)  # None for a language model
@@ -627,8 +617,7 @@ def prepare_inputs(args: Args, use_gpu: bool) -> tuple:
 
 
 def check_teacher(args: Args, folder: str, tokenizer, prompts: dict) -> None:
-    """DISTILL (teacher): the teacher's weights, its tokenizer (the student's: it scores the
-    student's tokens) and its prompts' lengths (self-distillation's hold the answer too)."""
+    """DISTILL (teacher): the teacher's weights, tokenizer (the student's) and prompts' lengths."""
     models.check_weights(folder, "teacher")
     if args.teacher and AutoTokenizer.from_pretrained(folder).get_vocab() != tokenizer.get_vocab():
         which = f"--teacher {args.teacher}'s tokenizer is not --model {args.model}'s"
@@ -645,7 +634,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     the weight sync. Returns (trainers, engines)."""
     layout = placement.Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate
-    )  # fmt: skip
+    )
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path

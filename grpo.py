@@ -263,7 +263,8 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
     """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
     reward (and each term's): the spread inside groups and the share of groups every sample solved,
     or none did, by the verifier (with the verifier alone those two carry no signal: Â = 0)."""
-    grouped, lengths = rewards.view(-1, group_size), [len(s["token_ids"]) for s in responses]
+    # |o_i|: a response's sampled tokens (each came with its log-probability)
+    grouped, lengths = rewards.view(-1, group_size), [len(s["logprobs"]) for s in responses]
     solved = parts["verifier"].view(-1, group_size)
     return {
         "rollout/reward": rewards.mean().item(),
@@ -405,11 +406,11 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k not in quiet]
         run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
+        group = [p for p in batch for _ in range(G)]  # each response's prompt
         rows = [
-            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
-             "reward": rewards[i].item()}
-            for i in range(min(len(texts), 2 * G))
-        ]  # fmt: skip
+            dict(prompt=p.text, response=t, answer=p.answer, reward=r)
+            for p, t, r in zip(group[: 2 * G], texts, rewards.tolist())
+        ]
         run.log_samples(done, rows)
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
@@ -438,7 +439,7 @@ def main(args: Args):
         sequences = []
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
-            values = {"advantages": [advantages[i].item()] * len(s["token_ids"])}
+            values = {"advantages": [advantages[i].item()] * len(s["logprobs"])}  # |o_i| of Â
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
             values |= batch[i // G].pixels or {}  # a VLM's: the prompt's pictures
             sequences.append((batch[i // G].ids, s["token_ids"], values))
@@ -451,7 +452,7 @@ def main(args: Args):
         t_sync = time.time()
 
         # ---- log ----
-        generated = sum(len(s["token_ids"]) for s in responses)
+        generated = sum(len(s["logprobs"]) for s in responses)
         trained = sum(len(p) + len(r) for p, r, _ in sequences) * args.num_epochs
         metrics = {
             **rollout_metrics(rewards, parts, responses, G),
@@ -559,7 +560,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     the weight sync. Returns (trainers, engines)."""
     layout = placement.Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate
-    )  # fmt: skip
+    )
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path

@@ -275,7 +275,8 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
     """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
     reward (and each term's): the spread inside groups and the share of groups every sample solved,
     or none did, by the verifier (with the verifier alone those two carry no signal: Â = 0)."""
-    grouped, lengths = rewards.view(-1, group_size), [len(s["token_ids"]) for s in responses]
+    # |o_i|: a response's sampled tokens (each came with its log-probability)
+    grouped, lengths = rewards.view(-1, group_size), [len(s["logprobs"]) for s in responses]
     solved = parts["verifier"].view(-1, group_size)
     return {
         "rollout/reward": rewards.mean().item(),
@@ -434,11 +435,11 @@ def main(args: Args):
         update = [k for k in metrics if k.startswith("train/") and k not in quiet]
         update += ["rollout/lag_mean"]  # ASYNC: + the lag
         run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
+        group = [p for p in batch for _ in range(G)]  # each response's prompt
         rows = [
-            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
-             "reward": rewards[i].item(), "versions": versions[i]}  # ASYNC: tokens' weights
-            for i in range(len(texts))  # ASYNC: every group (what each step trained)
-        ]  # fmt: skip
+            dict(prompt=p.text, response=t, answer=p.answer, reward=r, versions=v)  # ASYNC: weights
+            for p, t, r, v in zip(group, texts, rewards.tolist(), versions)  # ASYNC: every group
+        ]
         run.log_samples(done, rows)
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
@@ -466,7 +467,7 @@ def main(args: Args):
         sequences = []
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
-            values = {"advantages": [advantages[i].item()] * len(s["token_ids"])}
+            values = {"advantages": [advantages[i].item()] * len(s["logprobs"])}  # |o_i| of Â
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
             values |= batch[i // G].pixels or {}  # a VLM's: the prompt's pictures
             sequences.append((batch[i // G].ids, s["token_ids"], values))
@@ -706,8 +707,8 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     both (the model, or the checkpoint to resume; π_ref is always the model), and connect them for
     the weight sync. Returns (trainers, engines)."""
     layout = placement.Layout(
-        use_gpu, args.num_trainers, args.num_engines, args.engine_tp, False  # ASYNC: apart
-    )  # fmt: skip
+        use_gpu, args.num_trainers, args.num_engines, args.engine_tp, False
+    )  # ASYNC: trainers and engines apart
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path
@@ -716,11 +717,9 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     trainers = placement.spawn_trainers(Trainer, pg, layout.trainers, *shell, frozen=frozen)
     backend = weight_sync.choose_backend(use_gpu, colocate=False)  # ASYNC
     served = model_path if args.lora_rank else policy  # LoRA: the base, the adapters apart
-    engines = spawn_engines(
-        pg, layout.engines, args, served, backend, use_gpu, loading=trainers,
-        engine_cls=AsyncEngine, keep_old_kv=args.keep_old_kv,  # ASYNC: weights taken in flight
-        deterministic=args.deterministic,
-    )  # fmt: skip
+    # ASYNC: engines that take weights in flight (--keep-old-kv) or between steps (--deterministic)
+    kw = dict(keep_old_kv=args.keep_old_kv, deterministic=args.deterministic, loading=trainers)
+    engines = spawn_engines(pg, layout.engines, args, served, backend, use_gpu, AsyncEngine, **kw)
     addr, port = placement.rendezvous_address(pg, 0)  # on trainer rank 0's node: the sender
     sync = (args.engine_tp, args.lora_merge_sync)
     call(trainers, "init_weight_sync", engines, backend, addr, port, *sync)

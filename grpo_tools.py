@@ -9,12 +9,10 @@ Responses are sampled by vLLM engines (Ray actors) whose numerics differ slightl
 trainer's; truncated importance sampling (TIS, Yao et al. 2025) reweights each token by min(π_θold /
 π_vllm, C). After every step the trainers push their weights to the engines through vLLM's
 weight-transfer API.
-A response is an episode of turns: the policy samples until its turn ends or calls the tool, whose
-output comes back as a tool turn (in the model's chat template), up to --max-turns. The episode is
-one token list that only grows, the sampled tokens as vLLM returned them, never re-encoded. o_i is
-the tokens the policy sampled (the loss mask): tool turns are context only (docs/grpo_tools.md).
-
-The built-in model almost never calls a tool by itself: warm-start it on transcripts first,
+A response is an episode: the policy samples until its turn ends or calls the tool, whose output
+comes back as a tool turn (in the chat template), up to --max-turns; one token list that only grows,
+as vLLM sampled it, never re-encoded. o_i is the sampled tokens: tool turns are context only.
+The built-in model rarely calls a tool by itself: warm-start it on transcripts first,
     python sft.py --dataset data/multiply/sft_train.jsonl --eval-dataset "" --accuracy-dataset "" \\
         --num-steps 5 --warmup-steps 1 --output-dir runs/multiply-sft
 
@@ -209,22 +207,24 @@ def parse_call(text: str, name: str, form: str) -> str | None:  # TOOLS: edit fo
         return None
 
 
-def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, draw=None) -> list:
-    """The loop: n episodes per Prompt of `batch`, prompt-major, seeded by `draw` (None: greedy).
-    Episode e samples on engine e % engines (whose prefix cache holds it), each turn until the turn
-    ends or calls the tool, up to --max-turns turns and --max-response-length tokens in all."""
+def run_episodes(engines, ids: list, n: int, tool, tokenizer, args, sampling, draw=None) -> list:
+    """The loop: n episodes per prompt (token ids), grouped as generate's samples, seeded by `draw`
+    (None: greedy). Episode e samples on engine e % engines (whose prefix cache holds it), each turn
+    until the turn ends or calls the tool, up to --max-turns turns and --max-response-length tokens
+    in all; its "text" is the Episode the reward terms read."""
     (name, _, fn), limit, eos = tool, args.max_response_length, tokenizer.eos_token_id
     stop = STOP[args.tool_format].format(name=name)
     counts = dict(turns=0, tool_calls=0, tool_errors=0, tool_tokens=0)
-    episodes = [dict(ids=list(p.ids), start=len(p.ids), trained=[], logprobs=[], messages=[],
-                     **counts) for p in batch for _ in range(n)]  # fmt: skip
+    episodes = [dict(ids=list(p), start=len(p), **counts) for p in ids for _ in range(n)]
+    for episode in episodes:  # what each turn appends to
+        episode.update(trained=[], logprobs=[], messages=[])
     live, temperature = list(range(len(episodes))), 0.0 if draw is None else args.temperature
+    sampling = sampling | dict(n=1, temperature=temperature, stop=[stop])
     for turn in range(args.max_turns):
         sent = [list(episodes[e]["ids"]) for e in live]
         room = [limit + episodes[e]["start"] - len(p) for e, p in zip(live, sent)]  # tokens left
-        outs = generate(engines, sent, n=1, temperature=temperature, top_p=args.top_p,
-                        max_tokens=room, seed=args.seed, draw=draw and f"{draw}/{turn}",
-                        index=live, stop=[stop])  # fmt: skip
+        seeds = dict(draw=None if draw is None else f"{draw}/{turn}", index=live)  # a seed a turn
+        outs = generate(engines, sent, **sampling | dict(max_tokens=room), **seeds)
         going, calls = [], []
         for e, prompt, left, (s,) in zip(live, sent, room, outs):
             episode, sampled = episodes[e], s["token_ids"]
@@ -261,7 +261,9 @@ def run_episodes(engines, batch: list, n: int, tool: tuple, tokenizer, args, dra
             going.append(e)
         if not (live := going):
             break
-    return episodes
+    for episode in episodes:  # what the reward terms read (the answer, the episode), the tokens
+        episode.update(text=Episode(episode), token_ids=episode["ids"][episode["start"] :])
+    return [episodes[i : i + n] for i in range(0, len(episodes), n)]
 
 
 # ALGO LOGIC: the advantages, which groups to train on, the loss and how it is aggregated.
@@ -367,7 +369,7 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
     """What was sampled. GRPO learns only from groups whose rewards differ, so besides the mean
     reward (and each term's): the spread inside groups and the share of groups every sample solved,
     or none did, by the verifier (with the verifier alone those two carry no signal: Â = 0)."""
-    # TOOLS: |o_i| is the sampled tokens
+    # |o_i|: a response's sampled tokens (each came with its log-probability)
     grouped, lengths = rewards.view(-1, group_size), [len(s["logprobs"]) for s in responses]
     solved = parts["verifier"].view(-1, group_size)
     return {
@@ -379,12 +381,13 @@ def rollout_metrics(rewards, parts: dict, responses: list[dict], group_size: int
         "rollout/response_length": sum(lengths) / len(lengths),
         "rollout/truncated": sum(s["finish_reason"] == "length" for s in responses)
         / len(responses),
-        **tool_metrics(responses, "rollout"),  # TOOLS: turns and tool calls
+        **tool_metrics([responses], "rollout"),  # TOOLS: turns and tool calls
     }
 
 
-def tool_metrics(episodes: list[dict], split: str) -> dict:  # TOOLS: rollout/ and eval/
+def tool_metrics(groups: list[list[dict]], split: str) -> dict:  # TOOLS: rollout/ and eval/
     """Means per episode (never per turn: failing episodes run longer) of each count and flag."""
+    episodes = [e for group in groups for e in group]
     keys = ("turns", "tool_calls", "tool_errors", "tool_tokens", "ended_on_call")
     return {f"{split}/{key}": sum(e[key] for e in episodes) / len(episodes) for key in keys}
 
@@ -494,18 +497,18 @@ def main(args: Args):
         call(trainers, "load_optimizer", resume_ckpt)
     run = Run(args, run_dir, resume_step, args.num_steps)
     run.print(f"run dir: {run.dir}  model: {args.model}  prompts: {len(prompts['train'])}  G: {G}")
-    # TOOLS: each turn samples with run_episodes's limits (what is left of the episode's budget)
+    sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
     timeout = args.reward_timeout  # seconds one reward call may take
 
     @ema_weights(trainers, lambda: sync_weights(trainers, engines, colocated=False), args.eval_ema)
     def evaluate(step: int) -> dict:
         if "eval" not in prompts:
             return {}
-        episodes = run_episodes(engines, prompts["eval"], 1, tool, tokenizer, args)  # TOOLS: greedy
-        where, outs = f"eval at step {step}", [[{"text": Episode(e)}] for e in episodes]  # TOOLS
+        ids = [p.request or p.ids for p in prompts["eval"]]  # a VLM's: with its pictures
+        outs = run_episodes(engines, ids, 1, tool, tokenizer, args, sampling)  # TOOLS: greedy
+        where = f"eval at step {step}"
         _, _, parts = score_responses(terms, prompts["eval"], outs, tokenizer, where, timeout)
-        accuracy = {"eval/accuracy": parts["verifier"].mean().item()}  # the verifier's alone
-        return {**accuracy, **tool_metrics(episodes, "eval")}  # TOOLS: turns and calls too
+        return {"eval/accuracy": parts["verifier"].mean().item(), **tool_metrics(outs, "eval")}
 
     # the console line: the reward, the loss and every per-token stat of the update, eval, time
     quiet = ("train/grad_norm", "train/lr", "train/logprob_diff_mean", "train/logprob_diff_max")
@@ -517,11 +520,11 @@ def main(args: Args):
             metrics.update(evaluate(done))
         update = [k for k in metrics if k.startswith("train/") and k not in quiet]
         run.log(done, metrics, ("rollout/reward", *update, "eval/accuracy", "time/step"))
+        group = [p for p in batch for _ in range(G)]  # each response's prompt
         rows = [
-            {"prompt": batch[i // G].text, "response": texts[i], "answer": batch[i // G].answer,
-             "reward": rewards[i].item()}
-            for i in range(min(len(texts), 2 * G))
-        ]  # fmt: skip
+            dict(prompt=p.text, response=t, answer=p.answer, reward=r)
+            for p, t, r in zip(group[: 2 * G], texts, rewards.tolist())
+        ]
         run.log_samples(done, rows)
         checkpoint.keep_best(args, run, metrics, done, trainers)  # --best-metric
         if args.save_every and done % args.save_every == 0 and done < args.num_steps:
@@ -536,27 +539,26 @@ def main(args: Args):
     for step in range(resume_step, args.num_steps):
         t0 = time.time()
         batch = [train[i] for i in batch_rows(step, len(train), args.prompts_per_step, args.seed)]
-        where = f"step {step + 1}"  # TOOLS: (B*G,) episodes, prompt-major
-        # TOOLS: draw a str ("0/1", "0/2", ... a turn): an int step 0 (falsy) gave turns one seed
-        responses = run_episodes(engines, batch, G, tool, tokenizer, args, draw=f"{step}")
+        ids, where = [p.request or p.ids for p in batch], f"step {step + 1}"
+        outs = run_episodes(engines, ids, G, tool, tokenizer, args, sampling, step)  # TOOLS: turns
         if args.colocate:
             call(engines, "sleep")  # free the GPUs for training
         t_gen = time.time()
 
         # ALGO LOGIC: rewards and advantages, per group; the values each trained token carries
-        outs = [{"text": Episode(e)} for e in responses]  # TOOLS: answers, each with its episode
-        outs = [outs[i : i + G] for i in range(0, len(outs), G)]  # as score_responses reads them
+        responses = [s for group in outs for s in group]  # (B*G,) prompt-major
         _, rewards, parts = score_responses(terms, batch, outs, tokenizer, where, timeout)
-        texts = [tokenizer.decode(s["ids"][s["start"] :]) for s in responses]  # TOOLS: episodes
+        texts = [tokenizer.decode(s["token_ids"]) for s in responses]  # TOOLS: whole episodes
         advantages = compute_advantages(rewards, G)  # (B*G,)
         kept = keep_groups(rewards, G).repeat_interleave(G)
         sequences = []
         for i in kept.nonzero().squeeze(-1).tolist():
             s = responses[i]
-            values = {"advantages": [advantages[i].item()] * len(s["logprobs"])}  # TOOLS: sampled
+            values = {"advantages": [advantages[i].item()] * len(s["logprobs"])}  # |o_i| of Â
             values["engine_logprobs"] = s["logprobs"]  # what vLLM sampled with, for TIS
+            values |= batch[i // G].pixels or {}  # a VLM's: the prompt's pictures
             values["trained"] = s["trained"]  # TOOLS: the loss mask: tool turns are context only
-            sequences.append((batch[i // G].ids, s["ids"][s["start"] :], values))
+            sequences.append((batch[i // G].ids, s["token_ids"], values))
         shares = plan_minibatches(sequences, step, args)  # with loss_weights: the aggregation
         results = call(trainers, train_step, step, per_rank=shares)
         t_train = time.time()
@@ -566,7 +568,7 @@ def main(args: Args):
         t_sync = time.time()
 
         # ---- log ----
-        generated = sum(len(s["logprobs"]) for s in responses)  # TOOLS: sampled tokens
+        generated = sum(len(s["logprobs"]) for s in responses)
         trained = sum(len(p) + len(r) for p, r, _ in sequences) * args.num_epochs
         metrics = {
             **rollout_metrics(rewards, parts, responses, G),
@@ -700,7 +702,7 @@ def start_actors(args: Args, use_gpu: bool, model_path: str, resume: str | None)
     the weight sync. Returns (trainers, engines)."""
     layout = placement.Layout(
         use_gpu, args.num_trainers, args.num_engines, args.engine_tp, args.colocate
-    )  # fmt: skip
+    )
     placement.init_ray(len(layout.bundles))
     pg = placement.make_placement_group(layout.bundles, use_gpu)
     policy = resume or model_path

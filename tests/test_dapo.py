@@ -73,7 +73,8 @@ def test_dynamic_sampling_refills_and_stops_when_full():
     # 3 groups per round, G = 2; 2 informative groups are wanted.
     rounds = [[(1, 1), (0, 1), (0, 0)], [(1, 1), (1, 0), (0, 1)], [(0, 1), (0, 1), (0, 1)]]
     draw, calls = scripted_draw(rounds, 2)
-    groups, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=2, max_rounds=5)
+    rounds, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=2, max_rounds=5)
+    groups = sum(rounds, [])  # every round's groups, in order
     assert calls == [0, 1] and used == 2  # the second round filled the batch; no third round
     assert len(groups) == 6 and rewards.shape == (12,) and kept.shape == (6,)
     assert kept.tolist() == [
@@ -93,7 +94,7 @@ def test_dynamic_sampling_refills_and_stops_when_full():
 def test_dynamic_sampling_stops_at_the_cap():
     rounds = [[(1, 1), (0, 0)], [(0, 0), (1, 0)], [(1, 1), (1, 1)], [(0, 1), (0, 1)]]
     draw, calls = scripted_draw(rounds, 2)
-    groups, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=2, max_rounds=3)
+    _, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=2, max_rounds=3)
     assert (
         calls == [0, 1, 2] and used == 3
     )  # the cap, although the 4th round would have filled the batch
@@ -119,7 +120,8 @@ def test_dynamic_sampling_never_keeps_an_all_equal_group():
         rounds = [[tuple(rng.choice([0.0, 1.0]) if rng.random() < 0.5 else 1.0 for _ in range(G)) for _ in range(6)]
                   for _ in range(cap)]  # fmt: skip
         draw, calls = scripted_draw(rounds, G)
-        groups, rewards, kept, used = dapo.sample_groups(draw, want, G, cap)
+        rounds, rewards, kept, used = dapo.sample_groups(draw, want, G, cap)
+        groups = sum(rounds, [])
         grouped = rewards.view(-1, G)
         assert used == len(calls) <= cap and len(groups) == len(kept) == grouped.shape[0]
         assert kept.sum() <= want
@@ -137,7 +139,7 @@ def test_groups_are_kept_on_accuracy_not_on_the_length_penalty():
     different rewards (the overlong penalty) but nothing to learn about correctness: not kept; their
     rewards still return."""
     draw, _ = scripted_draw([[(1, 1, 1, 1), (1, 0, 1, 1)]], 4, penalty=lambda k, i, j: -0.1 * j)
-    groups, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=4, max_rounds=1)
+    _, rewards, kept, used = dapo.sample_groups(draw, num_groups=2, group_size=4, max_rounds=1)
     assert kept.tolist() == [False, True]
     torch.testing.assert_close(rewards[:4], torch.tensor([1.0, 0.9, 0.8, 0.7]))
 

@@ -20,7 +20,6 @@ from conftest import (
 import grpo_tools
 from common.data import Prompt, load_function, make_sequence, render
 from common.errors import InputError, RunError
-from common.isolate import Episode
 from common.rewards import score_responses
 from common.tools import calculator, call_tool, call_tools, clip_output, tool_turn
 
@@ -229,18 +228,16 @@ class ScriptedEngine:
 
 
 def episodes_with(
-    monkeypatch, tokenizer, script, corrupt=None, fn=("calc", "", calculator), **flags
+    monkeypatch, tokenizer, script, corrupt=None, fn=("calc", "", calculator), draw=3, **flags
 ):
+    """The two episodes of one prompt (run_episodes' one group), the engine, the prompt's ids."""
     engine = ScriptedEngine(tokenizer, script, corrupt)
     monkeypatch.setattr(grpo_tools, "generate", engine)
     args = grpo_tools.Args(num_generations=2, **flags)
     prompt = render(tokenizer, [{"role": "user", "content": "What is 47 × 86?"}], gen_prompt=True)
-    batch = [Prompt(prompt, "4042", "", 1)]
-    return (
-        grpo_tools.run_episodes([None], batch, 2, fn, tokenizer, args, draw="3"),
-        engine,
-        prompt,
-    )
+    sampling = dict(top_p=args.top_p, max_tokens=args.max_response_length, seed=args.seed)
+    (group,) = grpo_tools.run_episodes([None], [prompt], 2, fn, tokenizer, args, sampling, draw)
+    return group, engine, prompt
 
 
 def test_an_episode_is_prompt_sampled_tool_turn_sampled(monkeypatch, tokenizer):
@@ -262,6 +259,10 @@ def test_an_episode_is_prompt_sampled_tool_turn_sampled(monkeypatch, tokenizer):
     assert turn1["index"] == [0, 1] and turn2["index"] == [0]  # episode 0 keeps its engine
     assert turn2["prompts"] == [prompt + call + glue]
     assert (turn1["draw"], turn2["draw"]) == ("3/0", "3/1") and turn1["stop"] == ["</calc>"]
+    _, engine, _ = episodes_with(monkeypatch, tokenizer, script, draw=0)  # step 0: a seed a turn
+    assert [turn["draw"] for turn in engine.calls] == ["0/0", "0/1"]
+    _, engine, _ = episodes_with(monkeypatch, tokenizer, script, draw=None)  # greedy: no seed
+    assert [turn["draw"] for turn in engine.calls] == [None, None]
     room = grpo_tools.Args().max_response_length
     assert turn2["max_tokens"] == [room - len(call) - len(glue)]  # the episode's budget, shared
 
@@ -273,7 +274,7 @@ def test_a_tool_error_is_its_output_and_the_turn_cap_ends_an_episode(monkeypatch
     assert "<|im_start|>tool\nerror: SyntaxError" in text and first["tool_errors"] == 1
     assert first["ended_on_call"] and first["turns"] == 2  # its second call is never run
     assert "ZeroDivisionError" not in text and second["tool_errors"] == 0
-    metrics = grpo_tools.tool_metrics([first, second], "rollout")
+    metrics = grpo_tools.tool_metrics([[first, second]], "rollout")
     assert metrics["rollout/tool_calls"] == 1.0 and metrics["rollout/ended_on_call"] == 0.5
 
 
@@ -324,8 +325,8 @@ def test_an_episode_that_ends_on_a_call_scores_0_and_reward_terms_see_the_episod
     assert tokenizer.decode(cut[0]["final"]) == "<calc>4042" and cut[0]["finish_reason"] == "length"
     for episodes in (capped, cut):
         assert [e["ended_on_call"] for e in episodes] == [True, False]
-        assert grpo_tools.tool_metrics(episodes, "rollout")["rollout/ended_on_call"] == 0.5
-        outs = [[{"text": Episode(e)} for e in episodes]]  # as grpo_tools.py's loop gives them
+        assert grpo_tools.tool_metrics([episodes], "rollout")["rollout/ended_on_call"] == 0.5
+        outs = [episodes]  # as run_episodes gives them: each episode's "text" is its Episode
         texts, rewards, parts = score_responses(terms, batch, outs, tokenizer, "step 1", 5.0)
         assert texts == ["", "4042"] and parts["verifier"].tolist() == [0.0, 1.0]
         shapes = [len(e["messages"]) + 10 * e["tool_calls"] + 100 for e in episodes]

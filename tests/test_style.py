@@ -34,17 +34,19 @@ SCRIPTS = [f"{name}.py" for name in conftest.SCRIPTS]
 # Vision-language models (common/vision.py): compute_logprobs takes a VLM's pixel tensors (+1 in
 # each script but rm.py), reward_fn checks one-word answers (+3), the GRPO family's train_step
 # hands the pixels on (+3), sft.py and grpo.py read the pictures (+11, +4), the scripts that train
-# language models only say so (+1): sft.py 328, grpo.py 583, ppo.py 848.
+# language models only say so (+1): sft.py 328, grpo.py 583, ppo.py 848. The GRPO family's last
+# `# fmt: skip`s written out and the variants' diffs given 10 % headroom (2026-12-04): grpo.py 580,
+# dapo.py 620, grpo_async.py 730, grpo_tools.py 722, distill.py 654.
 BUDGET = {
     "sft.py": 328,
     "rm.py": 357,
     "dpo.py": 399,
-    "grpo.py": 583,
+    "grpo.py": 580,
     "ppo.py": 848,  # the policy's and the critic's update; STYLE.md's cap 850
-    "dapo.py": 629,  # grpo.py + its tagged diff (120 changed lines); its rounds carry reward terms
-    "grpo_async.py": 747,  # grpo.py + its tagged diff (300): in flight kept by checkpoints
-    "grpo_tools.py": 736,  # grpo.py + its tagged diff (205): the tool turns, the episode
-    "distill.py": 669,  # grpo.py + its tagged diff (200): the teacher's prompt, scoring, advantage
+    "dapo.py": 620,  # grpo.py + its tagged diff (120 changed lines); its rounds carry reward terms
+    "grpo_async.py": 730,  # grpo.py + its tagged diff (300): in flight kept by checkpoints
+    "grpo_tools.py": 722,  # grpo.py + its tagged diff (205): the tool turns, the episode
+    "distill.py": 654,  # grpo.py + its tagged diff (200): the teacher's prompt, scoring, advantage
 }
 # lines of main(): the loop fits on a screen
 MAIN_BUDGET = {"sft.py": 80, "rm.py": 80, "dpo.py": 80, "ppo.py": 200}  # 150 for the others
@@ -109,15 +111,35 @@ def test_common_stays_small():
 
 def test_fmt_skip_is_rare():
     """STYLE.md: a `# fmt: skip` only where an aligned table or formula reads better, never to fit a
-    budget (budgets count the formatted code anyway). common/ and sft, rm, dpo, ppo have none; the
-    GRPO family keeps 13 on lines its variants' tagged diffs share with grpo.py (formatting them
-    grows those diffs past their budgets: the fifth house pass's open item): no more. (22 until
-    spawn_engines read the flags itself.)"""
+    budget (budgets count the formatted code anyway). The scripts and common/ have none since the
+    GRPO family's last 13 were written out (2026-12-04: the sample rows as dicts of a zip, the
+    variants' engine arguments in a dict, grpo_tools.py's turn loop): the variants' tagged diffs
+    stay as they are below, so the diffs compare what ruff writes."""
     files = PRESENT + [os.path.join("common", f) for f in os.listdir(os.path.join(REPO, "common"))]
     counts = {f: len(re.findall(r"# fmt: skip\b", source(f))) for f in files if f.endswith(".py")}
-    family = (*GRPO, "distill.py")
-    assert not {f: n for f, n in counts.items() if n and f not in family}
-    assert sum(counts.values()) <= 13, {f: n for f, n in counts.items() if n}
+    assert not {f: n for f, n in counts.items() if n}
+
+
+# each variant's tagged diff against grpo.py: (its tag, its budget); each test file holds its own
+VARIANTS = {
+    "dapo.py": ("DAPO", 120),
+    "grpo_async.py": ("ASYNC", 300),
+    "grpo_tools.py": ("TOOLS", 205),
+    "distill.py": ("DISTILL", 200),
+}
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v in PRESENT])
+def test_variants_keep_headroom(variant):
+    """STYLE.md: a variant's diff stays within its budget with >= 10 % headroom, so the next paper's
+    change has room without raising the number."""
+    import check_variant  # scripts/ (conftest puts it on the path)
+
+    tag, budget = VARIANTS[variant]
+    changed, _, _ = conftest.tagged_diff("grpo.py", variant, check_variant.tag_pattern(tag))
+    assert changed <= 0.9 * budget, (
+        f"{variant} changes {changed} lines of grpo.py, over 90 % of {budget}"
+    )
 
 
 IMPORT_EACH = """
