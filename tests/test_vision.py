@@ -286,7 +286,8 @@ def test_the_grpo_family_runs_on_pictures(request, tmp_path, script, lora):
     pictures (grpo_async.py: its AsyncEngine, weights pushed while it runs), the trainer's log-probs
     of those tokens equal the engine's (both saw the same image tokens and features), and every push
     passes the probe with a picture. LoRA: adapters on the language model's layers only, loaded by
-    the engines after each step."""
+    the engines after each step. grpo-full trains the vision tower too (--train-vision: the pushed
+    tower meets the probe's picture), and resumes from step 1 exactly."""
     model = request.getfixturevalue("eager_vlm" if script == "dapo.py" else "tiny_vlm")
     flags = (
         "--model", model, "--dataset", os.path.join(SHAPES, "prompts_train.jsonl"),
@@ -303,6 +304,8 @@ def test_the_grpo_family_runs_on_pictures(request, tmp_path, script, lora):
     flags += {"grpo_async.py": ("--max-lag", "0"), "dapo.py": ("--overlong-buffer", "2")}.get(
         script, ()
     )
+    tower = script == "grpo.py" and not lora
+    flags += ("--train-vision", "--save-every", "1") if tower else ()
     result = run_script(script, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
@@ -322,3 +325,9 @@ def test_the_grpo_family_runs_on_pictures(request, tmp_path, script, lora):
         tensors = load_file(adapter)
         assert tensors and all(".text_model.layers." in k for k in tensors)
         assert max(v.abs().max().item() for k, v in tensors.items() if "lora_B" in k) > 1e-3
+    if tower:  # the tower moved, and the run resumes from step 1 as it ran
+        final, start = (load_file(os.path.join(p, "model.safetensors")) for p in (
+            os.path.join(run_dir, "checkpoints", "final"), model))  # fmt: skip
+        towers = [k for k in start if ".vision_model.encoder." in k]
+        assert towers and any(not torch.equal(final[k], start[k]) for k in towers)
+        assert_resume_is_exact(script, flags, run_dir)
