@@ -244,9 +244,12 @@ def test_engine_memory_reaches_the_engines_on_cpu(monkeypatch, script):
 
     slot = types.SimpleNamespace(options=lambda pg, env: {})
     monkeypatch.setattr(engines, "wait_started", lambda *a: None)
-    spawn = lambda pg, slots, *a, **k: engines.spawn_engines(  # noqa: E731
-        pg, [slot] * len(slots), *a, **{**k, "engine_cls": Recorder}
-    )  # the script's call, its engines recorded
+
+    def spawn(pg, slots, *a, **k):  # the script's call, an engine class it gives replaced
+        return engines.spawn_engines(
+            pg, [slot] * len(slots), *a[:4], **k | {"engine_cls": Recorder}
+        )
+
     monkeypatch.setattr(module, "spawn_engines", spawn)
     paths = {k: "m" for k in ("policy", "reference", "critic", "critic_start", "reward_model")}
     for given, want in ((0.25, 0.25), (None, 1.0)):
