@@ -39,7 +39,7 @@ from transformers import AutoTokenizer
 
 # Setup-only plumbing is called through its module (placement.Layout, checkpoint.save, ...): each
 # call says where it lives. The names below are what the math, the update and the loop use.
-from common import checkpoint, data, lora, memory, models, placement, vision, weight_sync
+from common import checkpoint, data, isolate, lora, memory, models, placement, vision, weight_sync
 from common.data import batch_rows, make_sequence, response_values
 from common.engines import generate, spawn_engines
 from common.errors import InputError, RunError  # TOOLS: RunError
@@ -684,7 +684,7 @@ def make_tool(args: Args) -> tuple:  # TOOLS: --tool
         print(sandbox.check(args.sandbox))  # --sandbox strict: stops here if one is missing
         run = lambda code: sandbox.run_python(code, timeout=args.tool_timeout)  # noqa: E731
         return "python", "runs a Python program and returns what it prints", run
-    fn = data.load_function(args.tool)  # a file that does not exist, a name that is no function
+    fn = isolate.UserFunction(args.tool)  # run in a process of its own; a missing file stops here
     return fn.__name__, (fn.__doc__ or fn.__name__).strip().split("\n")[0], fn
 
 

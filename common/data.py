@@ -9,7 +9,6 @@ from typing import NamedTuple
 import torch
 
 from common.errors import InputError
-from common.isolate import UserFunction
 from common.lifetime import REPO
 from common.vision import stack
 
@@ -144,12 +143,6 @@ def quiet_hub_logs() -> None:
     """Silence the Hugging Face clients' per-retry warnings; their final error still reaches us."""
     for name in ("huggingface_hub", "datasets", "urllib3", "fsspec", "filelock"):
         logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def load_function(spec: str):
-    """`path/to/file.py:name` -> that function (user hooks: --reward-fn, --tool), checked here and
-    run in a process of its own (common/isolate.py), so that its crash is not the run's end."""
-    return UserFunction(spec)
 
 
 def as_messages(value, role: str) -> list[dict]:

@@ -52,7 +52,7 @@ class KnownWarnings(logging.Filter):
 
 
 def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None, dtype="auto"):
-    """vLLM's arguments for both engines, built in their actor; `lora`: lora.engine_lora's."""
+    """vLLM's arguments for both engines, built in their actor; `lora`: {rank, targets}."""
     import torch
     from vllm.config import WeightTransferConfig
 
@@ -97,23 +97,13 @@ def engine_args(model_path, seed, backend, tp, max_model_len, memory, lora=None,
 
 @ray.remote
 class Engine:
-    def __init__(
-        self,
-        model_path,
-        seed,
-        backend,
-        tp,
-        max_model_len,
-        memory,
-        sleep_mode,
-        lora=None,
-        dtype="auto",
-    ):
-        """`memory`: on GPU the fraction for weights + KV cache, on CPU GiB of KV cache."""
+    def __init__(self, *engine, lora=None, dtype="auto"):
+        """engine: (model_path, seed, backend, tp, max_model_len, memory, sleep_mode); `memory`: on
+        GPU the fraction for weights + KV cache, on CPU GiB of KV cache."""
         from vllm import LLM
 
-        args = engine_args(model_path, seed, backend, tp, max_model_len, memory, lora, dtype)
-        self.llm = LLM(**args, enable_sleep_mode=sleep_mode, use_tqdm_on_load=False)
+        args = engine_args(*engine[:6], lora, dtype)
+        self.llm = LLM(**args, enable_sleep_mode=engine[6], use_tqdm_on_load=False)
         self.adapter = adapter_folder() if lora else None
 
     def generate(
@@ -295,8 +285,9 @@ def spawn_engines(pg, slots, args, model, backend, use_gpu, engine_cls=Engine, l
     env = {**(GPU_ENV if use_gpu else CPU_ENV), **own}
     longest, kv = args.max_prompt_length + args.max_response_length, memory.engine_memory
     config = (backend, args.engine_tp, longest, kv(args, use_gpu, sleep_mode), sleep_mode)
-    adapters = lora.engine_lora(args)
-    kw = kw | {"dtype": args.dtype} | ({"lora": adapters} if adapters else {})
+    kw = kw | {"dtype": args.dtype}
+    if args.lora_rank and not args.lora_merge_sync:  # adapter-only sync: LoRA in vLLM
+        kw |= {"lora": {"rank": args.lora_rank, "targets": lora.targets(args)}}
     engines = [
         engine_cls.options(**s.options(pg, env)).remote(model, args.seed + i, *config, **kw)
         for i, s in enumerate(slots)

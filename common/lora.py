@@ -65,13 +65,6 @@ def check_model(args, model_path: str, name: str) -> None:
         )
 
 
-def engine_lora(args) -> dict | None:
-    """What the engines need for adapter-only sync (None: full weights, no LoRA in vLLM)."""
-    if not args.lora_rank or args.lora_merge_sync:
-        return None
-    return {"rank": args.lora_rank, "targets": targets(args)}
-
-
 @dataclass
 class Adapters:
     config: object  # peft.LoraConfig
@@ -104,34 +97,26 @@ class Adapters:
                 params[key].copy_(tensor)
 
 
-def spec(args, whole=()) -> dict | None:
-    """LoRA flags a trainer needs (None when --lora-rank is 0); `whole`: modules trained whole."""
+def adapters(args, base: str, path: str, whole=()) -> Adapters | None:
+    """The LoRA flags' adapters on the frozen `base` (None when --lora-rank is 0), resumed from
+    `path` if it differs; `whole`: modules trained whole (a score head)."""
     if not args.lora_rank:
-        return None
-    config = dict(
-        r=args.lora_rank,
-        lora_alpha=alpha(args),
-        lora_dropout=args.lora_dropout,
-        target_modules=targets(args),
-    )
-    return dict(config=config, whole=tuple(whole))
-
-
-def adapters(spec: dict | None, base: str, path: str) -> Adapters | None:
-    """Adapters on the frozen `base` (None without `spec`), resumed from `path` if it differs."""
-    if spec is None:
         return None
     from peft import LoraConfig
 
     from common.vision import is_vlm
 
-    config = dict(spec["config"])
+    modules = targets(args)
     if is_vlm(base, base):  # the language model's layers only (the vision tower has a q_proj too)
-        config["target_modules"] = (
-            rf".*\.text_model\.layers\.\d+\..*\.({'|'.join(config['target_modules'])})"
-        )
-    config = LoraConfig(**config, base_model_name_or_path=base)
-    return Adapters(config, base, path if path != base else None, spec["whole"])
+        modules = rf".*\.text_model\.layers\.\d+\..*\.({'|'.join(modules)})"
+    config = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=alpha(args),
+        lora_dropout=args.lora_dropout,
+        target_modules=modules,
+        base_model_name_or_path=base,
+    )
+    return Adapters(config, base, path if path != base else None, tuple(whole))
 
 
 def on(model) -> bool:

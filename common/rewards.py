@@ -11,8 +11,8 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from common.data import load_function
 from common.errors import InputError, RunError
+from common.isolate import UserFunction
 
 
 def reward_terms(verifier, weight: float, specs=()) -> dict:
@@ -28,7 +28,7 @@ def reward_terms(verifier, weight: float, specs=()) -> dict:
             raise InputError(f"--reward-fn {spec}: the weight after '=' must be a finite number")
         if (name := path.rpartition(":")[2]) in terms:
             raise InputError(f"--reward-fn {spec}: the reward already has a term named {name}")
-        terms[name] = (load_function(path), w)
+        terms[name] = (UserFunction(path), w)
     return terms
 
 

@@ -50,33 +50,16 @@ def _wrapper(how: str | None, disk_mb: int) -> list[str]:
     }
     keep = sorted(p for p in want if not any(p.startswith(q + "/") for q in want))
     above = sorted({p[:i] for p in keep for i in range(1, len(p)) if p[i] == "/"} - {"/tmp"})
+    root = "--cap-add CAP_SETUID --cap-add CAP_SETGID".split()  # root's program drops to a uid
+    user = ["--unshare-user"] if os.getuid() else root
     # the private /tmp first: a Python under /tmp (a CI clone's) is bound on it, not hidden by it
     return [
-        "bwrap",
-        "--unshare-pid",
-        "--unshare-net",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--die-with-parent",
-        *(
-            ["--unshare-user"]
-            if os.getuid()
-            else ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-        ),
-        "--perms",
-        "1777",
-        "--size",
-        str(disk_mb << 20),
-        "--tmpfs",
-        "/tmp",
+        *"bwrap --unshare-pid --unshare-net --unshare-ipc --unshare-uts --die-with-parent".split(),
+        *user,
+        *["--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", "/tmp"],
         *[a for p in above for a in ("--perms", "0755", "--dir", p)],
         *[a for p in keep for a in ("--ro-bind-try", p, p)],
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--chdir",
-        "/tmp",
+        *"--proc /proc --dev /dev --chdir /tmp".split(),
     ]
 
 
@@ -180,17 +163,13 @@ def _run(code, how, drop, timeout, memory_mb, max_output, max_procs) -> str:
     if cut or len(text) > max_output:
         text = f"{text[:max_output]}\n... [output cut at {max_output} characters]"
     sig = -rc if rc and rc < 0 else rc - 128 if how == "bubblewrap" and 128 < (rc or 0) < 160 else 0
-    note = (
-        ""
-        if cut
-        else f"error: timed out after {timeout:g} s"
-        if rc is None
-        else f"error: killed by signal {sig} ({signal.strsignal(sig)})"
-        if sig
-        else f"exit status {rc}"
-        if rc
-        else ""
-    )
+    note = ""
+    if rc is None and not cut:
+        note = f"error: timed out after {timeout:g} s"
+    elif sig and not cut:
+        note = f"error: killed by signal {sig} ({signal.strsignal(sig)})"
+    elif rc and not cut:
+        note = f"exit status {rc}"
     return text + ("\n" if note and text and not text.endswith("\n") else "") + note
 
 

@@ -131,7 +131,7 @@ class Trainer:
         self.device = placement.init_distributed(rank, world, addr, port)
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(policy)
-        adapters = lora.adapters(lora.spec(args, whole), start, policy)  # on the start model
+        adapters = lora.adapters(args, start, policy, whole)  # on the start model
         self.model = load(policy, self.device, args.gradient_checkpointing, adapters, args.dtype)
         self.processor = vision.freeze(self.model, policy, getattr(args, "train_vision", False))
         self.sp = sp_groups(world, args.sp_size)  # DP x SP: ranks [k*sp, (k+1)*sp) share shard k

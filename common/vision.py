@@ -208,9 +208,7 @@ def freeze(model, path: str, train_vision: bool):
     if (tower := getattr(getattr(model, "model", None), "vision_model", None)) is None:
         return None
     tower.requires_grad_(train_vision and any(p.requires_grad for p in tower.parameters()))
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(path)
+    return processor(path, True)
 
 
 def inputs(mb: dict) -> dict:

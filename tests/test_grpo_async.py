@@ -207,7 +207,7 @@ def test_rewards_are_scored_while_the_trainers_train(builtin_dir, tmp_path):
     start_ray_cpu()
     (tmp_path / "slow.py").write_text("import time\ndef r(response, answer):\n"
                                       "    time.sleep(2)\n    return 1.0\n")  # fmt: skip
-    from common.data import load_function
+    from common.isolate import UserFunction as load_function
 
     engines = [StandInEngine.remote() for _ in range(2)]
     try:

@@ -18,8 +18,9 @@ from conftest import (
 )
 
 import grpo_tools
-from common.data import Prompt, load_function, make_sequence, render
+from common.data import Prompt, make_sequence, render
 from common.errors import InputError, RunError
+from common.isolate import UserFunction as load_function
 from common.rewards import score_responses
 from common.tools import calculator, call_tool, call_tools, clip_output, tool_turn
 

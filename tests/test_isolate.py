@@ -13,8 +13,8 @@ import time
 import pytest
 from conftest import REPO
 
-from common.data import load_function
 from common.errors import InputError
+from common.isolate import UserFunction as load_function
 from common.rewards import call_reward
 from common.tools import call_tool
 
@@ -134,7 +134,7 @@ def test_group_signals_are_the_drivers_and_the_process_ends_with_its_driver(tmp_
     driver = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {REPO!r})
-        from common.data import load_function
+        from common.isolate import UserFunction as load_function
         pid, hangs = load_function("{tmp_path}/user.py:pid"), load_function("{tmp_path}/user.py:hangs")
         child = pid("", "")
         for sig in (signal.SIGTERM, signal.SIGINT):

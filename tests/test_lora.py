@@ -76,7 +76,7 @@ def test_adapters_start_at_the_base_and_disabled_are_the_base(one_rank_group, ti
     device = one_rank(one_rank_group)
     torch.manual_seed(1)
     policy = sft.load_policy(
-        tiny_model, device, False, lora.adapters(lora.spec(lora_args()), tiny_model, tiny_model)
+        tiny_model, device, False, lora.adapters(lora_args(), tiny_model, tiny_model)
     )
     base = sft.load_policy(tiny_model, device, False)
     assert torch.equal(logits(policy, IDS), logits(base, IDS))
@@ -103,7 +103,7 @@ def test_adapter_folder_and_merged_model_load_in_peft_and_transformers(
 
     device = one_rank(one_rank_group)
     policy = sft.load_policy(
-        tiny_model, device, False, lora.adapters(lora.spec(lora_args()), tiny_model, tiny_model)
+        tiny_model, device, False, lora.adapters(lora_args(), tiny_model, tiny_model)
     )
     randomize_adapters(policy)
     ours = logits(policy, IDS)
@@ -122,7 +122,7 @@ def test_adapter_folder_and_merged_model_load_in_peft_and_transformers(
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert (logits(reloaded, IDS) - ours).abs().max() <= 1e-5
 
-    head = lora.adapters(lora.spec(lora_args(), whole=("score",)), tiny_model, tiny_model)
+    head = lora.adapters(lora_args(), tiny_model, tiny_model, ("score",))
     scorer = rm.load_reward_model(tiny_model, device, False, head, pad_token_id=0)
     trained = {n for n, p in scorer.named_parameters() if p.requires_grad}
     assert "score.weight" in trained and not any("modules_to_save" in n for n in trained)
@@ -142,7 +142,7 @@ class LoraTrainer:
         self.rank, self.merge = rank, merge
         self.device = init_distributed(rank, world_size, addr, port)
         torch.manual_seed(0)
-        adapters = lora.adapters(lora.spec(lora_args()), model_path, model_path)
+        adapters = lora.adapters(lora_args(), model_path, model_path)
         self.model = sft.load_policy(model_path, self.device, False, adapters)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 

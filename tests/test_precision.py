@@ -213,7 +213,7 @@ def test_lora_keeps_its_frozen_base_in_the_compute_dtype(one_rank_group, tiny_mo
     placement.init_distributed(0, 1, *one_rank_group)
     flags = argparse.Namespace(lora_rank=4, lora_alpha=None, lora_dropout=0.0,
                                lora_target_modules=lora.DEFAULT_TARGETS)  # fmt: skip
-    adapters = lora.adapters(lora.spec(flags), tiny_model, tiny_model)
+    adapters = lora.adapters(flags, tiny_model, tiny_model)
     model = sft.load_policy(tiny_model, torch.device("cpu"), False, adapters, "float16")
     dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
     assert dtypes == {(False, torch.float16), (True, torch.float32)}  # adapters: fp32 masters
