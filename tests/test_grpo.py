@@ -59,7 +59,7 @@ def test_reward_terms_compose_and_log_apart_with_the_verifiers_accuracy(tmp_path
     alone = reward_terms(grpo.reward_fn, 0.0, [f"{path}:short"])
     totals, parts = composed_reward(alone, pairs, "a test", 5.0)
     assert totals == [0.0, 1.0, 0.0, 1.0] and parts["verifier"] == [1, 1, 0, 0]
-    responses = [{"token_ids": [1, 2], "finish_reason": "stop"}] * 4
+    responses = [{"token_ids": [1, 2], "logprobs": [-0.5, -0.5], "finish_reason": "stop"}] * 4
     tensors = {name: torch.tensor(v) for name, v in parts.items()}
     metrics = grpo.rollout_metrics(torch.tensor(totals), tensors, responses, group_size=2)
     assert metrics["rollout/reward"] == 0.5 and metrics["rollout/reward/short"] == 0.5
