@@ -116,8 +116,8 @@ def test_fmt_skip_is_rare():
     """STYLE.md: a `# fmt: skip` only where an aligned table or formula reads better, never to fit a
     budget (budgets count the formatted code anyway). The scripts and common/ have none since the
     GRPO family's last 13 were written out (2026-12-04: the sample rows as dicts of a zip, the
-    variants' engine arguments in a dict, grpo_tools.py's turn loop): the variants' tagged diffs
-    stay as they are below, so the diffs compare what ruff writes."""
+    variants' engine arguments in a dict, grpo_tools.py's turn loop), so the variants' tagged diffs
+    (test_variants_keep_headroom) compare the code as ruff writes it."""
     files = PRESENT + [os.path.join("common", f) for f in os.listdir(os.path.join(REPO, "common"))]
     counts = {f: len(re.findall(r"# fmt: skip\b", source(f))) for f in files if f.endswith(".py")}
     assert not {f: n for f, n in counts.items() if n}
