@@ -27,6 +27,15 @@ CONFIGS = {
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "Llama-3.1-70B": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # a VLM (Idefics3): SmolLM2-135M's 30 layers with an untied head, a SigLIP-base tower on 512-px tiles, and a
+    # pixel-shuffle connector (scale 4: 64 image tokens a tile); 256,484,928 parameters as published
+    "SmolVLM-256M": dict(model_type="idefics3", scale_factor=4, image_token_id=49190, vocab_size=49280,
+                         tie_word_embeddings=False,
+                         text_config=dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                          head_dim=64, vocab_size=49280, pad_token_id=2, tie_word_embeddings=False),
+                         vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                            num_attention_heads=12, image_size=512, patch_size=16)),
 }  # fmt: skip
 
 
@@ -49,7 +58,7 @@ def with_lora(job: Job, rank: int = 16) -> Job:
 
 def cases() -> list[tuple[str, str, Job]]:
     """(run, command's layout flags, Job): the runs docs/cluster.md plans."""
-    s05, s15, s7, s70 = (shape(n) for n in CONFIGS)
+    s05, s15, s7, s70, vlm = (shape(n) for n in CONFIGS)
     grpo = dict(tokens=16384, checkpointing=True, engines=1, engine_memory=0.4, colocate=True)
     ppo = dict(grpo, reference=True)
     split7 = dict(tokens=8192, checkpointing=True, reference=True, engine_memory=0.85)
@@ -74,6 +83,8 @@ def cases() -> list[tuple[str, str, Job]]:
          Job(s7, trainers=8, **dict(grpo, tokens=8192, engines=8, reference=True))),
         ("grpo.py 70B, --kl-coef 0.01", "48 GPUs: --num-trainers 32 --num-engines 2 --engine-tp 8",
          Job(s70, trainers=32, engines=2, engine_tp=8, **dict(split7, tokens=4096))),
+        ("sft.py SmolVLM-256M (pictures)", "1 GPU", Job(vlm, trainers=1, tokens=16384, checkpointing=True)),
+        ("grpo.py SmolVLM-256M (pictures)", "1 GPU, colocated", Job(vlm, trainers=1, **grpo)),
     ]  # fmt: skip
 
 

@@ -30,7 +30,9 @@ def test_parameter_counts_are_the_published_ones(shapes):
         "Qwen2.5-1.5B": 1.54,
         "Qwen2.5-7B": 7.62,
         "Llama-3.1-70B": 70.55,
+        "SmolVLM-256M": 0.26,
     }
+    assert shapes["SmolVLM-256M"].params == 256_484_928  # the published count: tower and connector in
     s7 = shapes["Qwen2.5-7B"]
     assert (
         s7.layers == 28 and s7.kv == 4 * 128 and s7.root == 2 * 152064 * 3584 + 3584
