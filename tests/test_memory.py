@@ -32,7 +32,8 @@ def test_parameter_counts_are_the_published_ones(shapes):
         "Llama-3.1-70B": 70.55,
         "SmolVLM-256M": 0.26,
     }
-    assert shapes["SmolVLM-256M"].params == 256_484_928  # the published count: tower and connector in
+    # the published count of the VLM, its vision tower and connector in
+    assert shapes["SmolVLM-256M"].params == 256_484_928
     s7 = shapes["Qwen2.5-7B"]
     assert (
         s7.layers == 28 and s7.kv == 4 * 128 and s7.root == 2 * 152064 * 3584 + 3584
