@@ -16,7 +16,8 @@ for seed in "${@:-1}"; do
   warm=$(ls -d "$out/sft$seed"/sft__*/checkpoints/final | head -1)
   /usr/bin/time -f "wall %e s" .venv/bin/python grpo.py --model "$warm" --dataset data/shapes/prompts_train.jsonl \
     --eval-dataset data/shapes/prompts_test.jsonl --max-response-length 8 --train-vision --prompts-per-step 24 \
-    --num-steps 15 --eval-every 5 --learning-rate 1e-5 --seed "$seed" --output-dir "$out/grpo$seed" --no-save-final > "$out/grpo$seed.log" 2>&1
+    --num-steps 15 --eval-every 5 --learning-rate 1e-5 --seed "$seed" --output-dir "$out/grpo$seed" \
+    --no-save-final > "$out/grpo$seed.log" 2>&1
   for run in "$out/sft$seed"/sft__* "$out/grpo$seed"/grpo__*; do
     .venv/bin/python benchmark/summarize.py "$run"
   done
